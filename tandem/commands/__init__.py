@@ -1,0 +1,1 @@
+"""CLI commands: one module each, with ``configure(parser)`` and ``run(args) -> int``."""

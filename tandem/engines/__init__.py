@@ -1,0 +1,1 @@
+"""Training and inference engine adapters; each imports its engine lazily."""

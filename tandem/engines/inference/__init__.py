@@ -1,0 +1,1 @@
+"""Inference engine adapters (satisfy tandem.core.protocols.InferenceEngine)."""

@@ -1,0 +1,1 @@
+"""Training engine adapters (satisfy tandem.core.protocols.TrainingEngine)."""

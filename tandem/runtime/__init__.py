@@ -1,0 +1,1 @@
+"""The RL loop: modes, placement, checkpoints, tracking."""
