@@ -47,9 +47,12 @@ class FinishReason(enum.StrEnum):
 class SamplingParams:
     """How to sample one request. ``top_k <= 0`` and ``top_p >= 1`` disable those filters.
 
-    Log-probs are always returned: the log-prob of each sampled token under the distribution it was
-    sampled from (logits / temperature, after top-k / top-p filtering and renormalisation). Greedy is
-    ``temperature == 0``; its log-probs are those of the unscaled softmax.
+    Log-probs are always returned, with the convention every Tandem engine and trainer shares: the
+    log-prob of the sampled token under ``log_softmax(logits / temperature)`` over the full vocabulary.
+    top-k / top-p only restrict which tokens can be sampled; they do not renormalise the returned
+    log-prob (a trainer cannot reproduce per-step filtering cheaply). RL recipes therefore keep
+    ``top_p = 1`` and ``top_k = 0`` so that the returned log-prob is exactly the behaviour policy's.
+    Greedy is ``temperature == 0``; its log-probs are those of ``log_softmax(logits)``.
     """
 
     temperature: float = 1.0

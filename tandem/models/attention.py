@@ -1,0 +1,126 @@
+"""Attention contexts and MoE routing state for the flat token-major model (models/transformer.py).
+
+The model never builds masks itself: each layer hands its ``q [N, Hq, D]``, ``k, v [N, Hkv, D]`` to an
+`AttentionContext`, which knows how the ``N`` tokens group into sequences (and, for an inference
+engine, where the KV cache lives). Training uses `VarlenAttention` (packed causal sequences); the
+embedded inference engine provides a KV-cache context; the batch-invariant mode provides its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["AttentionContext", "MoERouting", "VarlenAttention"]
+
+
+class AttentionContext(Protocol):
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``q [N, Hq, D]``, ``k, v [N, Hkv, D]`` (rotary applied) -> ``[N, Hq, D]``."""
+        ...
+
+
+class VarlenAttention:
+    """Causal attention within each of several sequences packed into one flat batch.
+
+    ``cu_seqlens [S + 1]`` are the cumulative lengths (``cu_seqlens[-1] == N``). Sequences are scattered
+    into a right-padded ``[S, Lmax]`` layout for one SDPA call; with right padding, plain causal
+    masking already keeps every real query away from padded keys, so no mask is needed.
+    """
+
+    def __init__(self, cu_seqlens: torch.Tensor) -> None:
+        cu = cu_seqlens.to(torch.long)
+        lengths = cu[1:] - cu[:-1]
+        if (lengths <= 0).any():
+            raise ValueError(
+                f"VarlenAttention: every sequence needs >= 1 token, got lengths {lengths.tolist()}"
+            )
+        self.num_seqs = int(lengths.numel())
+        self.max_len = int(lengths.max())
+        self.num_tokens = int(cu[-1])
+        seq_of_token = torch.repeat_interleave(torch.arange(self.num_seqs, device=cu.device), lengths)
+        offset = torch.arange(self.num_tokens, device=cu.device) - cu[:-1][seq_of_token]
+        # flat token i -> row in the padded [S * Lmax] layout
+        self.padded_index = seq_of_token * self.max_len + offset
+        self.uniform = bool((lengths == self.max_len).all())
+
+    @classmethod
+    def from_lengths(
+        cls, lengths: Sequence[int] | torch.Tensor, device: torch.device | str = "cpu"
+    ) -> VarlenAttention:
+        lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
+        return cls(F.pad(torch.cumsum(lengths, 0), (1, 0)))
+
+    def _to_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """``[N, H, D]`` -> ``[S, H, Lmax, D]``."""
+        n, h, d = x.shape
+        if self.uniform:
+            return x.view(self.num_seqs, self.max_len, h, d).transpose(1, 2)
+        out = x.new_zeros(self.num_seqs * self.max_len, h, d)
+        out = out.index_copy(0, self.padded_index, x)
+        return out.view(self.num_seqs, self.max_len, h, d).transpose(1, 2)
+
+    def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
+        n, hq, d = q.shape
+        if n != self.num_tokens:
+            raise ValueError(f"VarlenAttention built for {self.num_tokens} tokens got {n}")
+        out = F.scaled_dot_product_attention(
+            self._to_padded(q),
+            self._to_padded(k),
+            self._to_padded(v),
+            is_causal=True,
+            scale=scale,
+            enable_gqa=hq != k.shape[1],
+        )  # [S, Hq, Lmax, D]
+        out = out.transpose(1, 2).reshape(self.num_seqs * self.max_len, hq, d)
+        return out if self.uniform else out.index_select(0, self.padded_index)
+
+
+class MoERouting:
+    """Per-forward MoE routing state: records the routing each MoE layer chose, optionally replays one.
+
+    ``moe_layers`` are the model's MoE layer indices; ``replay [N, len(moe_layers), topk]`` (int), when
+    given, is the routing to use instead of the router's own top-k (R3, routing replay). Afterwards
+    `recorded()` is the routing the router itself chose ``[N, layers, topk]`` int32 and
+    `mismatch_fraction()` the fraction of (token, layer) pairs whose own choice differs from the
+    replayed one (compared as sets).
+    """
+
+    def __init__(self, moe_layers: Sequence[int], *, replay: torch.Tensor | None = None) -> None:
+        self.slot = {layer: i for i, layer in enumerate(moe_layers)}
+        if replay is not None and replay.shape[1] != len(self.slot):
+            raise ValueError(
+                f"routing replay has {replay.shape[1]} MoE layers, the model has {len(self.slot)}"
+            )
+        self.replay = replay
+        self._own: dict[int, torch.Tensor] = {}
+        self._mismatch = 0
+        self._compared = 0
+
+    def replay_ids(self, layer_idx: int) -> torch.Tensor | None:
+        if self.replay is None:
+            return None
+        return self.replay[:, self.slot[layer_idx]]
+
+    def observe(self, layer_idx: int, own_ids: torch.Tensor, replay_ids: torch.Tensor | None) -> None:
+        self._own[layer_idx] = own_ids.detach()
+        if replay_ids is not None:
+            a = own_ids.detach().sort(-1).values
+            b = replay_ids.to(a.dtype).sort(-1).values
+            self._mismatch += int((a != b).any(-1).sum())
+            self._compared += int(a.shape[0])
+
+    def recorded(self) -> torch.Tensor:
+        """``[N, layers, topk]`` int32: the top-k each MoE layer's router chose in this forward."""
+        missing = [layer for layer in self.slot if layer not in self._own]
+        if missing:
+            raise RuntimeError(f"no routing recorded for MoE layers {missing}")
+        return torch.stack([self._own[layer] for layer in self.slot], dim=1).to(torch.int32)
+
+    def mismatch_fraction(self) -> float:
+        return self._mismatch / self._compared if self._compared else 0.0

@@ -1,0 +1,118 @@
+"""Log-probs (and entropy) of target tokens without materialising full-vocabulary logits.
+
+``log p(target) = z[target] - logsumexp(z)`` with ``z = (hidden @ W^T) / temperature`` in float32. The
+vocabulary projection is computed one chunk of rows at a time; with autograd, the backward pass
+recomputes each chunk's logits instead of keeping them, so memory stays at ``chunk x vocab`` floats
+whatever the number of tokens (peak ~ one chunk's logits, its softmax and its gradient).
+
+Gradients (``p = softmax(z)``, ``H = -sum p log p``)::
+
+    d log p(t) / dz = onehot(t) - p
+    d H / dz        = -p * (log p + H)
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["token_logprobs"]
+
+
+def _chunk_stats(h, weight, targets, temperature, with_entropy):
+    z = torch.matmul(h, weight.t()).float()
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    ent = None
+    if with_entropy:
+        logp_all = z - lse[:, None]  # -sum p log p loses less to cancellation than lse - sum p z
+        ent = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, ent
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy):
+        n = hidden.shape[0]
+        logp = hidden.new_empty(n, dtype=torch.float32)
+        ent = hidden.new_empty(n, dtype=torch.float32) if with_entropy else None
+        for s in range(0, n, chunk):
+            lp, en = _chunk_stats(
+                hidden[s : s + chunk], weight, targets[s : s + chunk], temperature, with_entropy
+            )
+            logp[s : s + chunk] = lp
+            if with_entropy:
+                ent[s : s + chunk] = en
+        ctx.save_for_backward(hidden, weight, targets, logp, *([ent] if with_entropy else []))
+        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        if with_entropy:
+            return logp, ent
+        return logp, logp.new_zeros(0)
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent):
+        hidden, weight, targets, _logp, *rest = ctx.saved_tensors
+        ent = rest[0] if ctx.with_entropy else None
+        t, chunk = ctx.temperature, ctx.chunk
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_hidden = torch.zeros_like(hidden) if need_h else None
+        g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        for s in range(0, hidden.shape[0], chunk):
+            h = hidden[s : s + chunk]
+            z = torch.matmul(h, weight.t()).float()
+            if t != 1.0:
+                z = z / t
+            logp_all = torch.log_softmax(z, dim=-1)
+            p = logp_all.exp()
+            gz = -p * g_logp[s : s + chunk, None]
+            gz.scatter_add_(-1, targets[s : s + chunk, None], g_logp[s : s + chunk, None].float())
+            if ent is not None and g_ent.numel():
+                gz -= g_ent[s : s + chunk, None] * p * (logp_all + ent[s : s + chunk, None])
+            if t != 1.0:
+                gz = gz / t
+            if need_h:
+                g_hidden[s : s + chunk] = torch.matmul(gz.to(weight.dtype), weight).to(hidden.dtype)
+            if need_w:
+                g_weight += torch.matmul(gz.t(), h.float())
+        return g_hidden, (g_weight.to(weight.dtype) if need_w else None), None, None, None, None
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-prob of ``targets`` under ``softmax(hidden @ weight.T / temperature)``, chunked over rows.
+
+    ``hidden [N, H]``, ``weight [V, H]``, ``targets [N]`` int64 -> ``log_probs [N]`` float32 and, with
+    ``with_entropy``, ``entropy [N]`` float32 (else ``None``). Differentiable in ``hidden`` and
+    ``weight``; at most ``chunk_size x V`` logits exist at a time. ``temperature == 0`` means 1 (greedy
+    log-probs are those of the unscaled softmax, the convention in core/protocols.py).
+    """
+    if hidden.dim() != 2 or targets.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"token_logprobs: hidden {tuple(hidden.shape)} must be [N, H] and targets [N], got {tuple(targets.shape)}"
+        )
+    if chunk_size <= 0:
+        raise ValueError(f"chunk_size={chunk_size} must be > 0")
+    temperature = 1.0 if temperature == 0 else float(temperature)
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or weight.requires_grad):
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
+        with torch.no_grad():
+            for s in range(0, n, chunk_size):
+                lp, en = _chunk_stats(
+                    hidden[s : s + chunk_size], weight, targets[s : s + chunk_size], temperature, with_entropy
+                )
+                logp[s : s + chunk_size] = lp
+                if ent is not None:
+                    ent[s : s + chunk_size] = en
+        return logp, ent
+    logp, ent = _ChunkedLogProbs.apply(hidden, weight, targets, temperature, chunk_size, with_entropy)
+    return logp, (ent if with_entropy else None)
