@@ -14,12 +14,14 @@ Gradients (``p = softmax(z)``, ``H = -sum p log p``)::
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["token_logprobs"]
+__all__ = ["logprobs_from_hidden", "token_logprobs"]
 
 
 def _chunk_stats(h, weight, targets, temperature, with_entropy):
-    z = torch.matmul(h, weight.t()).float()
+    """The one formula every engine uses for returned log-probs (F.linear so invariant modes apply)."""
+    z = F.linear(h, weight).float()
     if temperature != 1.0:
         z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
@@ -60,7 +62,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
         g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
-            z = torch.matmul(h, weight.t()).float()
+            z = F.linear(h, weight).float()
             if t != 1.0:
                 z = z / t
             logp_all = torch.log_softmax(z, dim=-1)
@@ -116,3 +118,15 @@ def token_logprobs(
         return logp, ent
     logp, ent = _ChunkedLogProbs.apply(hidden, weight, targets, temperature, chunk_size, with_entropy)
     return logp, (ent if with_entropy else None)
+
+
+def logprobs_from_hidden(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """No-grad log-probs of ``targets [N]`` for small ``N`` (an engine's sampled tokens), float32 ``[N]``.
+
+    Same formula as the trainer's `token_logprobs`, so both sides produce the same bits for the same
+    hidden states.
+    """
+    with torch.no_grad():
+        return _chunk_stats(hidden, weight, targets, 1.0 if temperature == 0 else float(temperature), False)[0]
