@@ -41,6 +41,7 @@ class Sample:
     """One trajectory. See the module docstring for the token layout."""
 
     prompt: str | list[dict[str, Any]] = ""
+    response: str = ""  # decoded response text (for rewards and logs; the tokens are the truth)
     tokens: list[int] = field(default_factory=list)
     response_length: int = 0
     loss_mask: list[int] | None = None

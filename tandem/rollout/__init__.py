@@ -1,0 +1,1 @@
+"""Generation functions, data sources and synthetic tasks for the loop."""
