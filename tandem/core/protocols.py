@@ -164,7 +164,9 @@ class LossFn(Protocol):
     """A loss on one micro-batch: ``(output, micro_batch, scale) -> (loss, metrics)``.
 
     ``output`` holds the current policy's log-probs (with grad) for ``micro_batch`` in response space.
-    The returned loss is already divided by the global normaliser in ``scale``; metrics are floats.
+    The returned loss is already divided by the global normaliser in ``scale``. Metrics are floats,
+    each this micro-batch's share of the global value: sum them over micro-batches and ranks; keys
+    ending in ``/max`` (``/min``) reduce by max (min); see ``losses.reduce_micro_batch_metrics``.
     """
 
     def __call__(
