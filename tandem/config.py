@@ -95,7 +95,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             if len(args) != len(value):
                 raise ConfigError(f"{key}: expected {len(args)} items, got {len(value)}")
             return tuple(
-                _convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(args, value, strict=True))
+                _convert(v, a, f"{key}[{i}]") for i, (a, v) in enumerate(zip(args, value, strict=True))
             )
         item_tp = args[0] if args else Any
         items = [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]

@@ -106,7 +106,7 @@ RECIPE = Path(__file__).parents[1] / "recipes" / "tiny" / "llama-smoke.yaml"
     [
         (
             (str(RECIPE), "run.sed=3"),
-            "tandem: error: unknown key 'run.sed' (valid keys: name, output_dir, seed); did you mean 'seed'?",
+            "tandem: error: unknown key 'run.sed' (valid keys: keep_checkpoints, name, output_dir, save_every, seed, steps); did you mean 'seed'?",
         ),
         (
             (str(RECIPE), "model.dtype=int8"),
