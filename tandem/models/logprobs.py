@@ -76,7 +76,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             if need_h:
                 g_hidden[s : s + chunk] = torch.matmul(gz.to(weight.dtype), weight).to(hidden.dtype)
             if need_w:
-                g_weight += torch.matmul(gz.t(), h.float())
+                g_weight.addmm_(gz.t(), h.float())  # in place: no vocab x hidden temporary
         return g_hidden, (g_weight.to(weight.dtype) if need_w else None), None, None, None, None
 
 

@@ -1,0 +1,59 @@
+"""Configuration of the embedded torch inference engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from tandem.models.registry import ModelConfig
+
+__all__ = ["TorchEngineConfig"]
+
+
+@dataclass(kw_only=True, slots=True)
+class TorchEngineConfig:
+    """How the embedded engine runs a model.
+
+    The KV cache is preallocated once: ``num_slots = min(max_num_seqs, kv_cache_tokens // slot_len)``
+    sequence slots of ``slot_len = max_model_len`` rounded up to a multiple of 64 tokens each, so
+    memory stays at ``kv_cache_tokens`` tokens (x layers x 2 x kv_heads x head_dim x dtype bytes).
+    A sequence occupies one slot from admission to finish; requests that find no free slot wait.
+    """
+
+    model: ModelConfig | None = None  # None: the run's model (the runtime fills it in)
+    max_num_seqs: int = 32  # sequences decoded together (each sample of a request is one sequence)
+    max_model_len: int = 2048  # prompt + generated tokens per sequence
+    kv_cache_tokens: int | None = None  # KV-cache budget in tokens; None: max_num_seqs * max_model_len
+    prefill_chunk: int = 512  # prompt tokens computed per step (the rest in later steps)
+    deterministic: bool = False  # batch-invariant numerics (tandem.ops): exact rollout/train parity
+    num_threads: int | None = None  # torch intra-op threads (process-wide); None leaves torch's default
+    seed: int = 0  # seeds the samplers of requests without their own seed
+    pack_weights: bool = (
+        True  # CPU: keep oneDNN-packed copies of the linear weights (faster, 2x weight memory)
+    )
+    device: Literal["cpu", "cuda"] = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2 (one prompt + one new token)")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
+            raise ValueError(
+                f"kv_cache_tokens={self.kv_cache_tokens} must be >= max_model_len={self.max_model_len} "
+                "(one sequence must fit)"
+            )
+        if self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk={self.prefill_chunk} must be >= 1")
+        if self.num_threads is not None and self.num_threads < 1:
+            raise ValueError(f"num_threads={self.num_threads} must be >= 1 (or None)")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda'")
+
+    @property
+    def cache_tokens(self) -> int:
+        return (
+            self.kv_cache_tokens
+            if self.kv_cache_tokens is not None
+            else self.max_num_seqs * self.max_model_len
+        )

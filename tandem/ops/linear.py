@@ -1,0 +1,156 @@
+"""A faster ``F.linear`` for CPUs: oneDNN's matmul instead of MKL's SGEMM for float32.
+
+torch routes float32 ``F.linear`` on CPU to MKL, which on this machine (AMD EPYC, AVX-512) runs a slow
+generic path: a ``[32, 576] x [576, 1536]`` product takes ~0.58 ms on one core where oneDNN takes
+~0.31 ms, and the ``[128, 576] x [576, 49152]`` vocabulary projection 122 ms vs 34 ms (measured, see
+docs/inference.md). bfloat16 ``F.linear`` already uses oneDNN; for it `fast_linear` is the same call.
+
+`fast_linear` calls oneDNN (``torch.ops.mkldnn._linear_pointwise``) when it can (CPU, plain tensors,
+float32 or bfloat16) and ``F.linear`` otherwise. It is differentiable: the backward uses ordinary
+matmuls. `fast_linear_mode` swaps it in for every ``F.linear`` (every ``nn.Linear``) on this thread.
+
+An inference engine can also hand the mode oneDNN-*packed* copies of its weights (`pack_weights`):
+the blocked layout saves oneDNN a reorder per call (a decode-sized product gets ~20% faster, the
+vocabulary projection ~25%) and gives exactly the bits of the plain weights. The copies cost memory
+(one more copy of every linear weight) and must be refreshed when the weights change (`repack`).
+
+oneDNN's float32 result rows are independent of the row count from 2 rows on (1 row takes another
+path with plain weights; packed weights give the same bits at 1 row too), and of the thread count;
+the batch-invariant mode builds on that (tandem/ops/batch_invariant.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["PackedWeights", "fast_linear", "fast_linear_mode", "pack_weights", "repack", "uses_onednn"]
+
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+_HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+_CAN_PACK = _HAS_ONEDNN and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+PackedWeights = Mapping[int, torch.Tensor]  # id(weight parameter) -> its oneDNN-packed copy
+
+
+def uses_onednn(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `fast_linear` runs oneDNN for these operands (after autocast's cast, if active)."""
+    return (
+        _HAS_ONEDNN
+        and x.device.type == "cpu"
+        and weight.device.type == "cpu"
+        and type(x) is torch.Tensor
+        and isinstance(weight, torch.Tensor)
+        and type(weight) in (torch.Tensor, torch.nn.Parameter)
+        and _compute_dtype(x, weight) in _ONEDNN_DTYPES
+        and x.shape[-1] == weight.shape[-1]
+        and weight.dim() == 2
+    )
+
+
+def _compute_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype | None:
+    if torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return x.dtype if x.dtype == weight.dtype else None
+
+
+def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+class _OneDNNLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _onednn(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])
+        gx = torch.matmul(grad, weight) if ctx.needs_input_grad[0] else None
+        gw = g2.t().matmul(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+        gb = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        return gx, gw, gb
+
+
+def fast_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    packed: PackedWeights | None = None,
+) -> torch.Tensor:
+    """``F.linear(x [..., K], weight [N, K], bias [N])`` through oneDNN when possible -> ``[..., N]``.
+
+    ``packed`` maps ``id(weight)`` to a packed copy (`pack_weights`), used when grad is not needed.
+    """
+    if not uses_onednn(x, weight):
+        return F.linear(x, weight, bias)
+    if torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")  # what autocast would have cast F.linear's operands to
+        with torch.autocast("cpu", enabled=False):
+            return fast_linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+    if bias is not None and bias.dtype != x.dtype:
+        return F.linear(x, weight, bias)
+    x = x.contiguous()
+    needs_grad = torch.is_grad_enabled() and (
+        x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
+    )
+    if needs_grad:
+        return _OneDNNLinear.apply(x, weight.contiguous(), bias)
+    packed_weight = packed.get(id(weight)) if packed else None
+    return _onednn(x, packed_weight if packed_weight is not None else weight.contiguous(), bias)
+
+
+def pack_weights(module: torch.nn.Module, batch_hint: int = 32) -> dict[int, torch.Tensor]:
+    """oneDNN-packed copies of the weights of every ``nn.Linear`` in ``module`` that oneDNN runs."""
+    packed: dict[int, torch.Tensor] = {}
+    if not _CAN_PACK:
+        return packed
+    for m in module.modules():
+        if isinstance(m, torch.nn.Linear) and id(m.weight) not in packed and _packable(m.weight):
+            packed[id(m.weight)] = _pack(m.weight, batch_hint)
+    return packed
+
+
+def repack(packed: dict[int, torch.Tensor], weights, batch_hint: int = 32) -> None:
+    """Refresh the packed copies of ``weights`` (parameters whose values changed)."""
+    for w in weights:
+        if id(w) in packed:
+            packed[id(w)] = _pack(w, batch_hint)
+
+
+def _packable(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dim() == 2 and weight.dtype in _ONEDNN_DTYPES
+
+
+def _pack(weight: torch.Tensor, batch_hint: int) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), batch_hint)
+
+
+class _FastLinearMode(TorchFunctionMode):
+    def __init__(self, packed: PackedWeights | None) -> None:
+        super().__init__()
+        self.packed = packed
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.linear:
+            return fast_linear(*args, **(kwargs or {}), packed=self.packed)
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def fast_linear_mode(enabled: bool = True, *, packed: PackedWeights | None = None) -> Iterator[None]:
+    """Every ``F.linear`` in the enclosed code (this thread) runs `fast_linear` (with ``packed``)."""
+    if not enabled:
+        yield
+        return
+    with _FastLinearMode(packed):
+        yield

@@ -1,0 +1,79 @@
+"""Shared helpers for the torch inference engine tests: engines on tiny models, teacher-forced passes."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from tandem.core.protocols import GenerationRequest, SamplingParams
+from tandem.engines.inference.torch import TorchEngine, TorchEngineConfig
+from tandem.models import ModelConfig
+from tandem.models.attention import MoERouting, VarlenAttention
+from tandem.ops import InvariantVarlenAttention, batch_invariant_mode
+
+STOP = 2  # <|im_end|> in every registry model
+
+
+def make_engine(name: str = "tiny-llama", *, dtype: str = "float32", **kw) -> TorchEngine:
+    kw.setdefault("max_num_seqs", 8)
+    kw.setdefault("max_model_len", 256)
+    return TorchEngine(TorchEngineConfig(model=ModelConfig(name=name, dtype=dtype), **kw))
+
+
+def wait_until(condition, timeout: float = 60.0) -> None:
+    """Poll ``condition()`` until it is true; fail the test after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(0.002)
+
+
+def prompts(lengths, vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    """Random prompts of the given lengths, avoiding the special ids 0-2."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def chat_prompts(name: str, questions: list[str]) -> list[list[int]]:
+    """Token ids of chat-formatted user questions (with the assistant generation prompt)."""
+    from tandem.models import load_tokenizer
+
+    tok = load_tokenizer(name)
+    texts = [
+        tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=False)
+        for q in questions
+    ]
+    return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def requests(prompt_list, **sampling) -> list[GenerationRequest]:
+    return [GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(**sampling)) for p in prompt_list]
+
+
+def teacher_forced(model, pairs, *, temperature: float = 1.0, invariant: bool = False, routing: bool = False):
+    """Log-probs of each response under one packed forward of ``prompt + response`` rows.
+
+    ``pairs`` is a list of ``(prompt, response)`` token lists. Returns a list of ``[R]`` float32 tensors
+    (and, with ``routing``, the router's own top-k ``[P + R - 1, layers, topk]`` per row).
+    """
+    rows = [torch.tensor(p + r) for p, r in pairs]
+    lengths = [len(r) for r in rows]
+    flat = torch.cat(rows)
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    targets = torch.cat([torch.cat([r[1:], r[:1]]) for r in rows])  # the last target of a row is unused
+    ctx_cls = InvariantVarlenAttention if invariant else VarlenAttention
+    rec = MoERouting(model.args.moe_layers) if routing else None
+    with torch.no_grad(), batch_invariant_mode(invariant):
+        lp, _ = model(
+            flat, positions, ctx_cls.from_lengths(lengths), rec, targets=targets, temperature=temperature
+        )
+    out, routes, offset = [], [], 0
+    recorded = rec.recorded() if routing else None
+    for (p, _), n in zip(pairs, lengths, strict=True):
+        out.append(lp[offset + len(p) - 1 : offset + n - 1])
+        if routing:
+            routes.append(recorded[offset : offset + n - 1].numpy())
+        offset += n
+    return (out, routes) if routing else out
