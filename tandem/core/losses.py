@@ -274,15 +274,18 @@ def _policy_loss_terms(
     num_tokens, denom, kl_coef = norms[0], norms[1], norms[2]
     per_token, stats = policy_loss_per_token(log_probs, old, adv, mask, cfg)
     out: dict[str, torch.Tensor] = {}
+    if rollout is not None:  # the train/rollout mismatch is measured every step, corrected or not
+        with torch.no_grad():
+            log_ratio = ((old.detach() - rollout) * mask).clamp(-20.0, 20.0)
+            out["train_rollout_logprob_abs_diff/mean"] = _divide(log_ratio.abs().sum(), num_tokens)
+            out["train_rollout_logprob_abs_diff/max"] = log_ratio.abs().amax()
+            out["offpolicy/k3_kl"] = _divide(((torch.expm1(log_ratio) - log_ratio) * mask).sum(), num_tokens)
     if off_policy is not None:
         weights, _, _, _, truncated, _ = correction_tensors(old, rollout, mask, off_policy)
         per_token = per_token * weights
         with torch.no_grad():
-            diff = ((old.detach() - rollout) * mask).abs()
             out["offpolicy/weight_mean"] = _divide((weights * mask).sum(), num_tokens)
             out["offpolicy/truncated_frac"] = _divide((truncated * mask).sum(), num_tokens)
-            out["train_rollout_logprob_abs_diff/mean"] = _divide(diff.sum(), num_tokens)
-            out["train_rollout_logprob_abs_diff/max"] = diff.amax()
     pg = _divide(_aggregate_sum(per_token, mask, cfg.aggregation), denom)
     total = pg
     if kl is not None:
@@ -359,9 +362,9 @@ class PolicyLoss:
         adv = _require(batch.advantages, "advantages", "the policy loss (compute advantages first)")
         old = batch.old_log_probs if batch.old_log_probs is not None else log_probs.detach()
         ref = _require(batch.ref_log_probs, "ref_log_probs", "the KL loss term") if self.kl else None
-        rollout = None
+        rollout = batch.rollout_log_probs  # when present, the mismatch metrics are logged
         if self.off_policy is not None:
-            rollout = _require(batch.rollout_log_probs, "rollout_log_probs", "the off-policy correction")
+            rollout = _require(rollout, "rollout_log_probs", "the off-policy correction")
         entropy = output.entropy
         if cfg.entropy_coef > 0 and entropy is None:
             raise ValueError(

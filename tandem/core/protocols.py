@@ -187,8 +187,12 @@ class TrainingEngine(Protocol):
         """Log-probs of the response tokens, no grad. ``model`` is ``policy``, ``ref`` or ``critic``."""
         ...
 
-    def train_step(self, batch: TrainBatch, loss_fn: LossFn) -> dict[str, float]:
-        """One optimizer step over ``batch`` (micro-batched inside); returns metrics."""
+    def train_step(self, batch: TrainBatch, loss_fn: LossFn, *, model: str = "policy") -> dict[str, float]:
+        """One optimizer step over ``batch`` (micro-batched inside); returns metrics.
+
+        ``model="critic"`` trains the value model. A loss that sets ``needs_entropy = True`` gets
+        ``output.entropy`` with gradient.
+        """
         ...
 
     def named_parameters_for_sync(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:

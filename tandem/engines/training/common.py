@@ -1,0 +1,236 @@
+"""Engine-neutral pieces of a training engine: batch -> micro-batch tensors, normalisers, buckets.
+
+A training engine feeds the model, for each sequence of ``T`` tokens, its first ``T - 1`` tokens (the
+last token predicts nothing) and needs the hidden states only at the positions that predict response
+tokens: row ``i``'s response token ``j`` is predicted at sequence position ``P_i + j - 1``
+(core/batch.py). `MicroBatch` holds the model inputs plus those gather/scatter indices, in one of two
+layouts:
+
+* **packed** (``input_ids [N]``): sequences concatenated without padding, positions restarting per
+  sequence, ``cu_seqlens [S + 1]`` for varlen attention. Rows with no response token are left out.
+* **padded** (``input_ids [b, L]``): right-padded rows with an ``attention_mask``, for models that
+  cannot take packed input (HF fallback).
+
+Either way ``select [M]`` indexes the flattened hidden states ``[N or b*L, H]`` at the ``M`` predicting
+positions, ``targets [M]`` are the predicted token ids, and `MicroBatch.to_response` scatters ``[M]``
+values into response space ``[b, R]`` (zeros on padding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+
+from tandem.core.batch import TrainBatch, partition_by_token_budget
+from tandem.core.protocols import LossScale
+
+__all__ = [
+    "MicroBatch",
+    "bucket_by_bytes",
+    "check_batch",
+    "dummy_micro_batch",
+    "local_loss_scale",
+    "make_micro_batch",
+    "plan_micro_batches",
+    "split_for_data_parallel",
+]
+
+
+@dataclass(kw_only=True, slots=True)
+class MicroBatch:
+    """Model inputs of one micro-batch and the map from predicting positions to response space."""
+
+    input_ids: torch.Tensor  # packed [N] / padded [b, L] int64
+    positions: torch.Tensor  # same shape as input_ids
+    cu_seqlens: torch.Tensor | None  # packed: [S + 1] int64
+    attention_mask: torch.Tensor | None  # padded: [b, L] int64 (1 = real token)
+    select: torch.Tensor  # [M] int64 into the flattened hidden states
+    targets: torch.Tensor  # [M] int64
+    scatter: torch.Tensor  # [M] int64 into the flattened response space [b * R]
+    response_shape: tuple[int, int]  # (b, R)
+    routed_experts: torch.Tensor | None = None  # packed: [N, layers, topk] int32 (R3 replay)
+    is_dummy: bool = False  # a stand-in that keeps ranks in lockstep; contributes nothing
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def to_response(self, values: torch.Tensor) -> torch.Tensor:
+        """``[M]`` -> ``[b, R]`` with zeros where no response token exists (keeps autograd)."""
+        b, r = self.response_shape
+        out = values.new_zeros(b * r)
+        return out.index_put((self.scatter,), values).view(b, r)
+
+    def to(self, device: torch.device) -> MicroBatch:
+        moved = {}
+        for name in self.__slots__:
+            v = getattr(self, name)
+            moved[name] = v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+        return MicroBatch(**moved)
+
+
+def _response_coords(batch: TrainBatch, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Row, response column and predicting sequence position of every response token, each ``[M]``."""
+    resp = batch.response_lengths
+    col = torch.arange(width)
+    valid = col[None, :] < resp[:, None]  # [b, R]
+    row_idx, col_idx = valid.nonzero(as_tuple=True)
+    seq_pos = batch.prompt_lengths[row_idx] - 1 + col_idx
+    return row_idx, col_idx, seq_pos
+
+
+def make_micro_batch(sub: TrainBatch, *, packed: bool, with_routing: bool = False) -> MicroBatch:
+    """The model inputs of batch ``sub`` (one micro-batch's rows) in the packed or padded layout.
+
+    ``with_routing`` carries ``sub.routed_experts`` along the packed tokens for MoE routing replay.
+    """
+    width = int(sub.loss_mask.shape[1])
+    fed = (sub.seq_lengths - 1).clamp(min=0)  # tokens fed per row
+    row_idx, col_idx, seq_pos = _response_coords(sub, width)
+    scatter = row_idx * width + col_idx
+    targets = sub.input_ids[row_idx, seq_pos + 1]
+    if not packed:
+        length = max(int(fed.max()), 1)
+        ids = sub.input_ids[:, :length]
+        mask = (torch.arange(length)[None, :] < fed[:, None]).long()
+        # A row with nothing to feed still attends to one token: a fully masked row gives NaN
+        # activations, and NaN * 0 in the backward would poison the weight gradients.
+        mask[:, 0] = 1
+        positions = torch.arange(length).expand_as(ids).contiguous()
+        return MicroBatch(
+            input_ids=ids.contiguous(),
+            positions=positions,
+            cu_seqlens=None,
+            attention_mask=mask,
+            select=row_idx * length + seq_pos,
+            targets=targets,
+            scatter=scatter,
+            response_shape=(sub.batch_size, width),
+        )
+    keep = (fed > 0).nonzero(as_tuple=True)[0]
+    lengths = fed[keep]
+    offsets = torch.zeros(sub.batch_size, dtype=torch.long)
+    offsets[keep] = torch.cumsum(lengths, 0) - lengths
+    pieces = [sub.input_ids[i, : int(fed[i])] for i in keep.tolist()]
+    ids = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    positions = torch.cat([torch.arange(int(n)) for n in lengths]) if pieces else ids.clone()
+    routed = None
+    if with_routing and sub.routed_experts is not None and pieces:
+        routed = torch.cat([sub.routed_experts[i, : int(fed[i])] for i in keep.tolist()])
+    return MicroBatch(
+        input_ids=ids,
+        positions=positions,
+        cu_seqlens=torch.nn.functional.pad(torch.cumsum(lengths, 0), (1, 0)),
+        attention_mask=None,
+        select=offsets[row_idx] + seq_pos,
+        targets=targets,
+        scatter=scatter,
+        response_shape=(sub.batch_size, width),
+        routed_experts=routed,
+    )
+
+
+def dummy_micro_batch(*, packed: bool, pad_token_id: int = 0) -> MicroBatch:
+    """One pad token predicting itself: a forward/backward that keeps FSDP's collectives in step."""
+    one = torch.tensor([pad_token_id], dtype=torch.long)
+    zero = torch.zeros(1, dtype=torch.long)
+    return MicroBatch(
+        input_ids=one if packed else one[None, :],
+        positions=zero if packed else zero[None, :],
+        cu_seqlens=torch.tensor([0, 1]) if packed else None,
+        attention_mask=None if packed else torch.ones(1, 1, dtype=torch.long),
+        select=zero,
+        targets=one,
+        scatter=zero,
+        response_shape=(1, 1),
+        is_dummy=True,
+    )
+
+
+def check_batch(batch: TrainBatch, *, max_context: int, micro_batch_tokens: int) -> None:
+    """Raise ValueError naming the row, its length and the limit it breaks."""
+    lengths = batch.seq_lengths.tolist()
+    if not lengths:
+        raise ValueError("the batch holds no rows")
+    longest = max(range(len(lengths)), key=lambda i: lengths[i])
+    if lengths[longest] > max_context:
+        raise ValueError(
+            f"row {longest} has {lengths[longest]} tokens, more than the model context "
+            f"(max_position_embeddings={max_context})"
+        )
+    if lengths[longest] > micro_batch_tokens:
+        raise ValueError(
+            f"row {longest} has {lengths[longest]} tokens, more than micro_batch_tokens="
+            f"{micro_batch_tokens}; raise micro_batch_tokens to at least {lengths[longest]}"
+        )
+    if int(batch.input_ids.shape[1]) < lengths[longest]:
+        raise ValueError(
+            f"seq_lengths[{longest}]={lengths[longest]} exceeds input_ids width {batch.input_ids.shape[1]}"
+        )
+
+
+def plan_micro_batches(batch: TrainBatch, micro_batch_tokens: int) -> list[list[int]]:
+    """Row indices per micro-batch: first-fit decreasing on sequence lengths under the token budget."""
+    return partition_by_token_budget(batch.seq_lengths.tolist(), micro_batch_tokens)
+
+
+def local_loss_scale(batch: TrainBatch) -> torch.Tensor:
+    """``[3]`` float64: this rank's loss tokens, sequences with a loss token, and response width.
+
+    The first two are summed and the last maxed over data-parallel ranks to build the `LossScale`.
+    """
+    per_row = batch.loss_mask.sum(1)
+    width = int(batch.response_lengths.max()) if batch.batch_size else 0
+    return torch.tensor([float(per_row.sum()), float((per_row > 0).sum()), float(width)], dtype=torch.float64)
+
+
+def loss_scale_from(totals: torch.Tensor) -> LossScale:
+    """`LossScale` from the reduced ``[tokens, sequences, width]`` of `local_loss_scale`."""
+    return LossScale(
+        num_tokens=float(totals[0]), num_sequences=float(totals[1]), max_response_length=int(totals[2])
+    )
+
+
+def split_for_data_parallel(batch: TrainBatch, num_ranks: int) -> list[list[int]]:
+    """Rows for each of ``num_ranks`` ranks, balancing token counts (longest-first greedy).
+
+    Every rank gets at least one row when the batch has that many; rows stay in ascending order.
+    """
+    if num_ranks < 1:
+        raise ValueError(f"num_ranks={num_ranks} must be >= 1")
+    if batch.batch_size < num_ranks:
+        raise ValueError(f"batch of {batch.batch_size} rows cannot feed {num_ranks} data-parallel ranks")
+    lengths = batch.seq_lengths.tolist()
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    shards: list[list[int]] = [[] for _ in range(num_ranks)]
+    load = [0] * num_ranks
+    for i in order:
+        k = min(range(num_ranks), key=lambda r: (load[r], len(shards[r])))
+        shards[k].append(i)
+        load[k] += lengths[i]
+    return [sorted(s) for s in shards]
+
+
+def bucket_by_bytes(
+    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group ``(name, tensor)`` pairs into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
+    if bucket_bytes <= 0:
+        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
+    bucket: list[tuple[str, torch.Tensor]] = []
+    size = 0
+    for name, t in named:
+        n = t.numel() * t.element_size()
+        if bucket and size + n > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, t))
+        size += n
+    if bucket:
+        yield bucket

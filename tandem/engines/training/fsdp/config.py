@@ -1,0 +1,149 @@
+"""Configuration of the FSDP2 training engine: one small dataclass per concern, validated on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from tandem.models.registry import ModelConfig
+
+__all__ = [
+    "CriticConfig",
+    "FSDPConfig",
+    "LoRAConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "RefConfig",
+]
+
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimizerConfig:
+    """AdamW and gradient clipping. ``grad_clip <= 0`` disables clipping (the norm is still reported)."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"betas={self.betas} must be two numbers in [0, 1)")
+        if not self.eps > 0:
+            raise ValueError(f"eps={self.eps} must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay={self.weight_decay} must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """How the data-parallel ranks hold the model.
+
+    ``replicate`` > 1 gives HSDP: the world is a ``replicate x shard`` mesh; parameters are sharded
+    within a row and replicated across rows. ``replicate = 1`` is plain FSDP over the whole world.
+    ``param_dtype`` / ``reduce_dtype`` form FSDP2's mixed-precision policy (master weights keep the
+    model dtype); without a process group (one process) ``param_dtype`` runs the forward under autocast.
+    """
+
+    replicate: int = 1
+    param_dtype: DType | None = None
+    reduce_dtype: DType | None = None
+    cpu_offload: bool = False  # FSDP2 CPUOffloadPolicy: sharded params, grads, optimizer state on CPU
+    activation_checkpointing: bool = False  # recompute each decoder layer in backward
+    reshard_after_forward: bool = True  # False keeps layers gathered between forward and backward
+    backend: Literal["auto", "gloo", "nccl"] = "auto"  # used only if the engine creates the group
+
+    def __post_init__(self) -> None:
+        if self.replicate < 1:
+            raise ValueError(f"replicate={self.replicate} must be >= 1")
+
+
+@dataclass(kw_only=True, slots=True)
+class LoRAConfig:
+    """Low-rank adapters via peft. Only adapter weights train; the base model stays frozen.
+
+    ``sync`` picks what `named_parameters_for_sync` yields: full weights with the adapters merged
+    (for an engine without LoRA support) or the adapter tensors alone (peft naming).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    sync: Literal["merged", "adapter"] = "merged"
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"rank={self.rank} must be >= 1")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha={self.alpha} must be > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        if not self.target_modules:
+            raise ValueError("target_modules must name at least one module")
+
+
+@dataclass(kw_only=True, slots=True)
+class RefConfig:
+    """The frozen reference model for KL. ``model`` defaults to the policy's initial weights.
+
+    With LoRA the reference is the policy with its adapters switched off (no second copy).
+    ``cpu_offload`` keeps its shards on the CPU between forwards (no effect on a CPU-only machine).
+    """
+
+    model: ModelConfig | None = None
+    cpu_offload: bool = False
+
+
+@dataclass(kw_only=True, slots=True)
+class CriticConfig:
+    """A value model for PPO/GAE: a transformer backbone plus a linear value head (zero-initialised).
+
+    ``model`` defaults to the policy's model. It trains with its own AdamW (``optimizer``).
+    """
+
+    model: ModelConfig | None = None
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+
+
+@dataclass(kw_only=True, slots=True)
+class FSDPConfig:
+    """Everything the FSDP2 engine needs; the world size comes from the process group.
+
+    ``model`` may be left unset in a recipe (the run fills in its model); the engine requires it.
+
+    ``micro_batch_tokens`` bounds the tokens of one forward/backward (dynamic batch size): sequences
+    are packed into micro-batches of at most that many tokens. ``packing = False`` (or a model the
+    native implementation does not cover) uses the HF model with padded micro-batches instead.
+    ``temperature`` scales logits before the log-softmax, like the inference engine's sampler.
+    """
+
+    model: ModelConfig | None = None
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lora: LoRAConfig | None = None
+    ref: RefConfig | None = None
+    critic: CriticConfig | None = None
+    micro_batch_tokens: int = 8192
+    logprob_chunk: int = 1024  # rows of full-vocabulary logits computed at once
+    temperature: float = 1.0
+    packing: bool = True
+    routing_replay: bool = False  # R3: replay batch.routed_experts in MoE layers
+    deterministic: bool = False  # batch-invariant ops (tandem.ops): log-probs equal the embedded engine's
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_tokens < 1:
+            raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must be >= 1")
+        if self.logprob_chunk < 1:
+            raise ValueError(f"logprob_chunk={self.logprob_chunk} must be >= 1")
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy: 1.0)")
+        if self.seed < 0:
+            raise ValueError(f"seed={self.seed} must be >= 0")

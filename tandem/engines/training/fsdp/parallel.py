@@ -1,0 +1,190 @@
+"""Process group, device mesh, FSDP2 wrapping and the collectives the engine needs.
+
+One process without a process group is a plain single-process run: no mesh, no sharding, and every
+collective below degenerates to the identity, so the engine code has one path for all world sizes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from tandem.engines.training.fsdp.config import ParallelConfig
+from tandem.models.registry import DTYPES
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DistContext", "apply_fsdp", "enable_activation_checkpointing", "init_distributed"]
+
+
+@dataclass(kw_only=True, slots=True)
+class DistContext:
+    """Where this rank stands: ``mesh`` is ``None`` when running as one plain process."""
+
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: Any = None  # torch.distributed.DeviceMesh
+
+    @property
+    def sharded(self) -> bool:
+        return self.mesh is not None
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """A reduced copy of ``t`` (``op`` is ``sum`` or ``max``) over all data-parallel ranks."""
+        if not self.sharded:
+            return t.clone()
+        out = t.to(self.device).clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return out.to(t.device)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.sharded:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if not self.sharded:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.sharded:
+            dist.barrier()
+
+
+def _pick_device(preference: str) -> torch.device:
+    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available on this machine")
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
+    index = local % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def init_distributed(cfg: ParallelConfig, device_preference: str) -> DistContext:
+    """Join (or create, under torchrun) the process group and build the data-parallel mesh.
+
+    An existing default group is used as it is. Without one, ``WORLD_SIZE > 1`` in the environment
+    (torchrun) creates it with ``cfg.backend`` (``auto``: NCCL on CUDA, gloo on CPU); otherwise the run
+    is a single plain process.
+    """
+    if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        backend = cfg.backend
+        if backend == "auto":
+            backend = "nccl" if device_preference != "cpu" and torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    device = _pick_device(device_preference)
+    if not dist.is_initialized():
+        if cfg.replicate != 1:
+            raise ValueError(f"replicate={cfg.replicate} needs a process group of at least that many ranks")
+        return DistContext(rank=0, world_size=1, device=device)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % cfg.replicate:
+        raise ValueError(f"replicate={cfg.replicate} must divide the world size {world}")
+    shard = world // cfg.replicate
+    if cfg.replicate > 1:
+        mesh = init_device_mesh(device.type, (cfg.replicate, shard), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    return DistContext(rank=rank, world_size=world, device=device, mesh=mesh)
+
+
+def enable_activation_checkpointing(layers: Iterable[nn.Module]) -> None:
+    """Recompute each layer's activations in backward instead of keeping them.
+
+    The layer's ``forward`` is replaced on the instance (not wrapped in a new module) so parameter
+    names stay HF names. Under FSDP2 the layer's pre-backward hook has re-gathered its parameters by
+    the time the recomputation runs, as with torchtitan's wrapper applied before ``fully_shard``.
+    """
+    for layer in layers:
+        inner = layer.forward
+
+        def forward(*args, _inner=inner, **kwargs):
+            if not torch.is_grad_enabled():
+                return _inner(*args, **kwargs)
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+
+
+def apply_fsdp(
+    root: nn.Module,
+    layers: Sequence[nn.Module],
+    ctx: DistContext,
+    cfg: ParallelConfig,
+    *,
+    offload: bool = False,
+) -> None:
+    """``fully_shard`` every layer, then the root (embeddings, final norm, LM head: tied stay tied).
+
+    Gradients are *summed* over ranks, not averaged: Tandem's losses are already divided by the global
+    normaliser (`LossScale`), so the sum over ranks is exactly the full-batch gradient.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(
+        param_dtype=DTYPES[cfg.param_dtype] if cfg.param_dtype else None,
+        reduce_dtype=DTYPES[cfg.reduce_dtype] if cfg.reduce_dtype else None,
+    )
+    kw: dict[str, Any] = dict(mesh=ctx.mesh, mp_policy=mp)
+    if (offload or cfg.cpu_offload) and ctx.device.type != "cpu":  # on a CPU device there is nowhere to go
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=cfg.reshard_after_forward, **kw)
+    fully_shard(root, **kw)
+    for m in root.modules():
+        if isinstance(m, FSDPModule):
+            # Divide by 1 with plain SUM collectives: gloo has no PREMUL_SUM, and NCCL's AVG would
+            # average what the loss normalisation already made a global mean.
+            m.set_gradient_divide_factor(1.0)
+            m.set_force_sum_reduction_for_comms(True)
+
+
+def full_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The whole tensor behind a (possibly sharded) parameter; collective for a DTensor."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    if not isinstance(t, DTensor):
+        return t
+    if t.device.type != device.type:  # CPU-offloaded shards: gather on the collective's device
+        t = DTensor.from_local(
+            t.to_local().to(device), t.device_mesh, t.placements, shape=t.shape, stride=t.stride()
+        )
+    return t.full_tensor()
+
+
+def total_grad_norm(params: Sequence[nn.Parameter]) -> torch.Tensor:
+    """Global L2 norm of the gradients (a plain scalar tensor, the same on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return norm

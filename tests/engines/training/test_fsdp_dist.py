@@ -1,0 +1,95 @@
+"""FSDP2 on 2 gloo ranks against one process on the concatenated batch (fp32, tolerance 1e-6).
+
+Two spawns: the first runs every sharded case plus the first half of a checkpointed run; the second,
+a fresh process group, loads that checkpoint and finishes the run.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tandem.engines.training.fsdp import FSDPEngine, ParallelConfig
+
+from . import fsdp_workers as workers
+from .helpers import engine_grads, make_batch, max_abs_diff, run_workers, sync_weights, token_mean_pg
+
+pytestmark = pytest.mark.dist
+TOL = 1e-6
+
+
+@pytest.fixture(scope="module")
+def spawned(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    run_workers(workers.first_spawn, 2, str(out), str(out / "ckpt"))
+    return out
+
+
+def _load(out, name: str) -> list[dict]:
+    return [torch.load(out / f"{name}_rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+def _single_process(overrides: dict) -> dict:
+    """The same two steps as `workers.two_steps`, in one process on the whole batches."""
+    overrides = {**overrides, "parallel": ParallelConfig(**{
+        **{f: getattr(overrides.get("parallel", ParallelConfig()), f) for f in ("activation_checkpointing",)}
+    })}
+    engine = FSDPEngine(workers.config(**overrides))
+    stats = engine._accumulate_gradients(make_batch(seed=0), token_mean_pg)
+    grads = engine_grads(engine)
+    m1 = engine._finish_step(engine.policy, "policy", stats, 0.0)
+    m2 = engine.train_step(make_batch(seed=1), token_mean_pg)
+    return {"grads": grads, "metrics": [m1, m2], "weights": sync_weights(engine),
+            "logp": engine.forward_logprobs(make_batch(seed=0)).log_probs}
+
+
+@pytest.mark.parametrize("case", list(workers.CASES))
+def test_sharded_step_equals_single_process(spawned, case):
+    ranks = [r[case] for r in _load(spawned, "equivalence")]
+    ref = _single_process(workers.CASES[case][0])
+    for r in ranks:  # every rank gathers the same full gradients and weights
+        assert max_abs_diff(r["grads"], ref["grads"]) < TOL
+        assert max_abs_diff(r["weights"], ref["weights"]) < TOL
+        for got, want in zip(r["metrics"], ref["metrics"], strict=True):
+            for key in ("train/loss", "train/grad_norm", "pg/loss", "pg/logp_mean", "pg/logp/min"):
+                # scalars of O(10) summed in another order: relative tolerance
+                assert abs(got[key] - want[key]) < TOL * max(1.0, abs(want[key])), (key, got[key], want[key])
+            assert got["train/skipped_step"] == 0.0
+        # log-probs of |log p| ~ 10 after two steps on weights that agree to ~1e-7: a few ulps apart
+        want = ref["logp"][r["rows"], : r["logp"].shape[1]]
+        assert (r["logp"] - want).abs().max() < 1e-5
+    if case == "lora":
+        assert all(".lora_" in n for n in ranks[0]["grads"])
+
+
+def test_nan_on_one_rank_skips_the_step_everywhere(spawned):
+    for r in _load(spawned, "equivalence"):
+        nan = r["nan"]
+        assert nan["metrics"]["train/skipped_step"] == 1.0 and math.isnan(nan["metrics"]["train/loss"])
+        assert max_abs_diff(nan["after"], nan["before"]) == 0.0
+
+
+def test_bf16_mixed_precision_trains(spawned):
+    for r in _load(spawned, "equivalence"):
+        first, second = r["bf16"]
+        assert math.isfinite(first["train/loss"]) and first["train/skipped_step"] == 0.0
+        assert second["train/loss"] < first["train/loss"]  # the same batch twice: the loss falls
+
+
+def test_resume_in_fresh_processes_is_bit_exact(spawned):
+    run_workers(workers.load_continue, 2, str(spawned), str(spawned / "ckpt"))
+    straights, resumeds = _load(spawned, "straight"), _load(spawned, "resumed")
+    assert straights[0]["saved"]["optim"]["state"]  # rank 0 compares Adam's moments
+    for straight, resumed in zip(straights, resumeds, strict=True):
+        assert resumed["loaded"]["step"] == 2
+        assert max_abs_diff(resumed["loaded"]["weights"], straight["saved"]["weights"]) == 0.0
+        # the full optimizer state is gathered on rank 0 only (cpu_offload=True)
+        for key, want in straight["saved"]["optim"].get("state", {}).items():
+            got = resumed["loaded"]["optim"]["state"][key]
+            assert all(torch.equal(got[k], want[k]) for k in want), key
+        timing = ("tokens_per_s", "step_time_s")
+        untimed = [[{k: v for k, v in m.items() if not k.endswith(timing)} for m in run["tail"]] for run in (resumed, straight)]
+        assert untimed[0] == untimed[1]  # losses, grad norms, learning rates: bit for bit
+        assert max_abs_diff(resumed["final"], straight["final"]) == 0.0
