@@ -22,9 +22,14 @@ $(VENV)/.dev-installed: pyproject.toml $(VENV)/.base-installed
 	$(PIP) install -q -e ".[dev]"
 	touch $@
 
+DEMO_RECIPE ?= recipes/smollm2-135m/addition-grpo.yaml
+DEMO_STAMP  := $(shell date +%Y%m%d-%H%M%S)
+DEMO_DIR    ?= runs/demo-$(DEMO_STAMP)
+
+# The main job: GRPO on SmolLM2-135M-Instruct (single-digit addition), colocated on CPU, then plots.
 demo: $(VENV)/.base-installed
-	@echo "make demo: the RL loop (issue 'The RL loop') is not built yet; nothing to run." >&2
-	@exit 2
+	$(VENV)/bin/tandem train $(DEMO_RECIPE) --run-dir $(DEMO_DIR) $(DEMO_ARGS)
+	$(VENV)/bin/tandem report $(DEMO_DIR)
 
 # The CI subset: everything except GPU tests and slow tests, plus the slow tests marked `ci`.
 test: $(VENV)/.dev-installed

@@ -18,6 +18,9 @@ import sys
 COMMANDS: dict[str, str] = {
     "config": "validate a recipe with overrides and print the resolved config",
     "models": "list the model registry or prepare a model in the cache",
+    "export": "write a training checkpoint's policy as an HF safetensors folder",
+    "report": "write PNG plots and a summary of a run directory",
+    "train": "run the RL loop on a recipe (GRPO, PPO, ...)",
 }
 
 

@@ -98,7 +98,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tandem", *args], capture_output=True, text=True)
 
 
-RECIPE = Path(__file__).parents[1] / "recipes" / "tiny" / "llama-smoke.yaml"
+RECIPE = Path(__file__).parents[1] / "recipes" / "tiny" / "grpo-sync.yaml"
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,43 @@
+"""``tandem train RECIPE [key=value ...] [--resume RUN_DIR]``: run the RL loop."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", help="YAML recipe file")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. run.steps=5")
+    p.add_argument("--run-dir", help="output folder (default: <run.output_dir>/<run.name>)")
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    p.add_argument("--debug-train-only", metavar="DUMP_DIR",
+                   help="train on the rollouts a run dumped (rollout.dump=true) instead of generating")
+    p.add_argument("--overwrite", action="store_true", help="replace a previous run in the run directory")
+    p.add_argument("--quiet", action="store_true", help="no progress bar; one log line per step")
+
+
+def run(args: argparse.Namespace) -> int:
+    import logging
+    import sys
+    from pathlib import Path
+
+    from tandem.config import load_config
+    from tandem.runtime.config import RunConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    overrides = list(args.overrides) + (["tracking.progress=false"] if args.quiet else [])
+    if args.debug_train_only:
+        overrides.append(f"rollout.load_dump={args.debug_train_only}")
+    cfg = load_config(RunConfig, args.recipe, overrides)  # every error is reported before any work
+    from tandem.runtime.loop import Run
+
+    run_dir = Path(args.resume or args.run_dir or Path(cfg.run.output_dir) / cfg.run.name)
+    try:
+        run = Run(cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite)
+    except (FileExistsError, FileNotFoundError) as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
+    summary = run.train()
+    for k, v in summary.items():
+        print(f"{k}: {v}")
+    return 0

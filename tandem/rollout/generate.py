@@ -1,0 +1,115 @@
+"""Generate functions: prompts in, `Sample`s out, through any `InferenceEngine`.
+
+`single_turn` sends each prompt's token ids with ``n`` samples per prompt (one shared prefill) and
+turns every completion into a `Sample`: the prompt ids and the engine's response ids exactly as
+generated (token-in-token-out, never re-tokenized), the engine's log-probs, the finish reason as a
+status, the weight versions and, for MoE models, the routed experts. The response text is decoded
+only for rewards and logs.
+
+Per-request seeds derive from ``(seed, step, prompt index)``, so a run resumed from a checkpoint
+samples exactly what the uninterrupted run sampled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tandem.core.protocols import Completion, FinishReason, GenerationRequest, InferenceEngine, SamplingParams
+from tandem.core.sample import Sample, SampleStatus
+from tandem.rollout.data import PromptRecord
+
+__all__ = ["SamplingConfig", "completion_to_sample", "request_seed", "single_turn"]
+
+_STATUS = {
+    FinishReason.STOP: SampleStatus.COMPLETED,
+    FinishReason.LENGTH: SampleStatus.TRUNCATED,
+    FinishReason.ABORT: SampleStatus.ABORTED,
+    FinishReason.ERROR: SampleStatus.FAILED,
+}
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingConfig:
+    """Rollout sampling. RL keeps ``top_p = 1`` and ``top_k = 0`` (see SamplingParams' log-prob note)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)  # the tokenizer's eos is always added
+
+    def __post_init__(self) -> None:
+        SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                       max_new_tokens=self.max_new_tokens).validate()
+
+    def params(self, *, n: int, seed: int, eos_token_id: int | None, routed_experts: bool = False) -> SamplingParams:
+        stops = tuple(dict.fromkeys([*self.stop_token_ids, *([eos_token_id] if eos_token_id is not None else [])]))
+        return SamplingParams(
+            temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, max_new_tokens=self.max_new_tokens,
+            stop_token_ids=stops, seed=seed, n=n, return_routed_experts=routed_experts,
+        )
+
+
+def request_seed(seed: int, step: int, prompt_index: int) -> int:
+    """A 31-bit seed that depends only on the run seed, the step and the prompt."""
+    h = (seed * 1_000_003 + step) * 1_000_033 + prompt_index
+    return (h ^ (h >> 29)) & 0x7FFFFFFF
+
+
+def completion_to_sample(
+    record: PromptRecord, completion: Completion, *, tokenizer, group_index: int, index: int
+) -> Sample:
+    ids = list(completion.token_ids)
+    sample = Sample(
+        prompt=record.prompt,
+        response=tokenizer.decode(ids, skip_special_tokens=True) if ids else "",
+        tokens=list(record.prompt_token_ids) + ids,
+        response_length=len(ids),
+        loss_mask=[1] * len(ids),
+        rollout_log_probs=list(completion.log_probs),
+        rollout_routed_experts=completion.routed_experts,
+        label=record.label,
+        status=_STATUS[completion.finish_reason],
+        weight_versions=list(completion.weight_versions),
+        group_index=group_index,
+        index=index,
+        metadata={**record.metadata, "prompt_index": record.index},
+    )
+    if completion.error:
+        sample.metadata["error"] = completion.error
+    return sample
+
+
+def single_turn(
+    engine: InferenceEngine,
+    prompts: Sequence[PromptRecord],
+    *,
+    n: int,
+    sampling: SamplingConfig,
+    tokenizer,
+    seed: int,
+    step: int,
+    first_group: int = 0,
+    routed_experts: bool = False,
+) -> list[Sample]:
+    """``len(prompts) * n`` samples, grouped by prompt (``group_index = first_group + i``)."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    requests = [
+        GenerationRequest(
+            prompt_token_ids=list(p.prompt_token_ids),
+            sampling=sampling.params(n=n, seed=request_seed(seed, step, p.index), eos_token_id=eos,
+                                     routed_experts=routed_experts),
+        )
+        for p in prompts
+    ]
+    results = engine.generate(requests)
+    samples: list[Sample] = []
+    for g, (record, result) in enumerate(zip(prompts, results, strict=True)):
+        comps = result.completions
+        if len(comps) != n:  # a request-level error: one ERROR completion stands for the group
+            comps = [comps[0]] * n if comps else [Completion(token_ids=[], log_probs=[], finish_reason=FinishReason.ERROR, error=result.error)] * n
+        for c in comps:
+            samples.append(completion_to_sample(record, c, tokenizer=tokenizer, group_index=first_group + g,
+                                                index=len(samples)))
+    return samples

@@ -1,0 +1,276 @@
+"""The RL loop: generate -> reward -> filter -> advantages -> ref/old log-probs -> train -> sync.
+
+`Run` owns one run: its components (data, rewards, training engine, inference engine, weight sync),
+its position (step, weight version) and its outputs (metrics, checkpoints, rollout dumps). Three modes:
+
+* ``sync``: every step generates with the current weights (on-policy).
+* ``one_step_off``: the rollout of step N+1 runs in a worker thread while step N trains; the new
+  weights reach the engine between rollouts, so training data is exactly one version old.
+* ``fully_async``: see `tandem.runtime.async_loop`.
+
+Colocated placement (one process) puts the engine to sleep (KV cache freed) while the trainer trains.
+Every phase is timed (``time/<phase>_s``) and shown in a progress bar.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import logging
+import shutil
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tandem.config import save_config, to_dict
+from tandem.core.advantages import compute_advantages
+from tandem.core.batch import TrainBatch
+from tandem.core.filters import filter_samples
+from tandem.core.sample import Sample, SampleStatus
+from tandem.models import load_tokenizer
+from tandem.rewards.hub import RewardHub
+from tandem.rollout.data import DataSource
+from tandem.runtime import builders
+from tandem.runtime.checkpoint import latest_checkpoint, load_run_state, save_run_checkpoint
+from tandem.runtime.config import RunConfig
+from tandem.runtime.metrics import rollout_metrics, staleness_metrics
+from tandem.runtime.progress import Progress
+from tandem.runtime.tracking import Tracker
+from tandem.sync.inprocess import InProcessSync
+
+__all__ = ["Run"]
+
+log = logging.getLogger(__name__)
+
+
+class Run:
+    """One training run. ``Run(cfg, run_dir).train()`` runs it to ``cfg.run.steps``."""
+
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, overwrite: bool = False) -> None:
+        run_dir = Path(run_dir)
+        previous = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
+        if previous and not resume and not overwrite:
+            raise FileExistsError(
+                f"{run_dir} already holds a run: continue it with --resume {run_dir}, pick another --run-dir, "
+                "or pass --overwrite to replace it"
+            )
+        if cfg.runtime.placement != "colocated":
+            raise NotImplementedError(
+                "runtime.placement='separate' is not available in this build: trainer and engine run colocated"
+            )
+        self.cfg = cfg
+        self.run_dir = run_dir
+        if overwrite and not resume:
+            shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.run.seed)
+        self.tokenizer = load_tokenizer(cfg.model.name)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.data = DataSource(cfg.data, self.tokenizer)
+        self.rewards = RewardHub(cfg.reward)
+        self.generate_fn = builders.resolve_generate(cfg.rollout.generate)
+        self.trainer = builders.build_training_engine(cfg)
+        self.engine = builders.build_inference_engine(cfg)
+        self.sync = InProcessSync(self.engine)
+        self.kl_ctl = cfg.algorithm.kl_controller()
+        self.step, self.version = 0, 0
+        resume_step = None
+        if resume:
+            ckpt = latest_checkpoint(self.run_dir)
+            if ckpt is None:
+                raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir}/checkpoints")
+            state = load_run_state(ckpt, self.trainer)
+            self.step, self.version = state["step"], state["version"]
+            self.data.load_state_dict(state["data"])
+            self.kl_ctl.load_state_dict(state["kl"])
+            resume_step = self.step - 1
+            # The engine starts from the model files; bring it to the checkpoint's weights.
+            self.sync.send(self.trainer.named_parameters_for_sync(cfg.sync.bucket_bytes), self.version)
+            log.info("resumed %s at step %d (weight version %d)", ckpt, self.step, self.version)
+        save_config(cfg, self.run_dir / "config.yaml")
+        self.tracker = Tracker(cfg.tracking, self.run_dir, run_name=cfg.run.name, resume_step=resume_step,
+                               config=to_dict(cfg))
+        self.progress = Progress(enabled=cfg.tracking.progress, total=cfg.run.steps, start=self.step)
+        self._asleep = False
+
+    # -- phases ---------------------------------------------------------------------------------------
+
+    def rollout(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        """Generate, score and filter until ``prompts_per_step`` groups survive (or ``max_rounds``)."""
+        cfg = self.cfg.rollout
+        if cfg.load_dump:
+            return self._load_dump(step)
+        kept: list[Sample] = []
+        everything: list[Sample] = []
+        filter_metrics: dict[str, float] = {}
+        gen_s = reward_s = 0.0
+        for round_ in range(cfg.max_rounds):
+            need = cfg.prompts_per_step - len({s.group_index for s in kept})
+            if need <= 0:
+                break
+            prompts = self.data.next_prompts(need)
+            self.progress.phase(step, "generate")
+            t0 = time.perf_counter()
+            samples = self.generate_fn(
+                self.engine, prompts, n=cfg.n_samples_per_prompt, sampling=cfg.sampling, tokenizer=self.tokenizer,
+                seed=self.cfg.run.seed + 7919 * round_, step=step, first_group=len(everything),
+                routed_experts=self.cfg.trainer.fsdp is not None and self.cfg.trainer.fsdp.routing_replay,
+            )
+            gen_s += time.perf_counter() - t0
+            self.progress.phase(step, "reward")
+            t0 = time.perf_counter()
+            scorable = [s for s in samples if s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED)]
+            if scorable:
+                self.rewards.score(scorable)
+            reward_s += time.perf_counter() - t0
+            everything += samples
+            ok, _dropped, fm = filter_samples(samples, self.cfg.algorithm.filters)
+            kept += ok
+            for k, v in fm.items():
+                filter_metrics[k] = filter_metrics.get(k, 0.0) + v
+        metrics = rollout_metrics(everything, seconds=gen_s) | filter_metrics
+        metrics |= {"time/reward_s": reward_s, "rollout/rounds": float(round_ + 1),
+                    "rollout/groups_kept": float(len({s.group_index for s in kept}))}
+        if cfg.dump:
+            self._dump(step, everything)
+        return kept, metrics
+
+    def train_on(self, step: int, samples: Sequence[Sample]) -> dict[str, float]:
+        """Advantages, reference log-probs / values, one optimizer step."""
+        if not samples:
+            log.warning("step %d: no sample survived the filters; skipping the update", step)
+            return {"train/skipped_step": 1.0, "train/no_samples": 1.0}
+        alg = self.cfg.algorithm
+        batch = TrainBatch.from_samples(samples, pad_token_id=self.pad_id)
+        self.progress.phase(step, "logprobs")
+        t0 = time.perf_counter()
+        if alg.needs_ref:
+            batch = batch.replace(ref_log_probs=self.trainer.forward_logprobs(batch, model="ref").log_probs)
+        if alg.needs_critic:
+            batch = batch.replace(values=self.trainer.forward_logprobs(batch, model="critic").values)
+        logprob_s = time.perf_counter() - t0
+        kl_coef = self.kl_ctl.coef_at(step)
+        batch, metrics = compute_advantages(batch, alg.advantage, kl=alg.kl, kl_coef=kl_coef)
+        self.progress.phase(step, "train")
+        t0 = time.perf_counter()
+        metrics |= self.trainer.train_step(batch, alg.build_loss_fn(kl_coef=kl_coef))
+        if alg.needs_critic:
+            critic = self.trainer.train_step(batch, alg.build_value_loss_fn(), model="critic")
+            metrics |= {f"critic/{k.split('/', 1)[-1]}": v for k, v in critic.items()}
+        kl_now = metrics.get("kl/k3_mean", metrics.get("kl/mean"))
+        self.kl_ctl.update(current_kl=kl_now)
+        metrics |= {"time/logprob_s": logprob_s, "time/train_s": time.perf_counter() - t0, "kl/coef": kl_coef,
+                    "train/tokens": float(batch.num_loss_tokens)}
+        return metrics
+
+    def sync_weights(self) -> dict[str, float]:
+        t0 = time.perf_counter()
+        self.version += 1
+        metrics = self.sync.send(self.trainer.named_parameters_for_sync(self.cfg.sync.bucket_bytes), self.version)
+        return metrics | {"time/sync_s": time.perf_counter() - t0, "sync/version": float(self.version)}
+
+    # -- modes ----------------------------------------------------------------------------------------
+
+    def train(self) -> dict[str, Any]:
+        """Run to ``cfg.run.steps``; returns a summary (first/last reward, wall time)."""
+        t0 = time.perf_counter()
+        try:
+            with self.progress:
+                mode = self.cfg.runtime.mode
+                if mode == "sync":
+                    self._train_sync()
+                elif mode == "one_step_off":
+                    self._train_one_step_off()
+                else:
+                    from tandem.runtime.async_loop import train_fully_async
+
+                    train_fully_async(self)
+        finally:
+            self.tracker.close()
+            self.rewards.close()
+            self.engine.close()
+        return {"steps": self.step, "wall_s": time.perf_counter() - t0, "run_dir": str(self.run_dir)}
+
+    def _wake(self) -> None:
+        if self._asleep:
+            self.engine.wake_up()
+            self._asleep = False
+
+    def _sleep(self) -> None:
+        if not self._asleep:
+            self.engine.sleep()
+            self._asleep = True
+
+    def _train_sync(self) -> None:
+        for step in range(self.step, self.cfg.run.steps):
+            t0 = time.perf_counter()
+            self._wake()
+            samples, metrics = self.rollout(step)
+            self._sleep()  # colocated: free the KV cache while the trainer works
+            metrics |= self.train_on(step, samples)
+            metrics |= self.sync_weights()
+            self._finish_step(step, metrics, samples, t0)
+
+    def _train_one_step_off(self) -> None:
+        pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-rollout")
+        try:
+            start = self.step
+            pending = pool.submit(self.rollout, start)
+            for step in range(start, self.cfg.run.steps):
+                t0 = time.perf_counter()
+                samples, metrics = pending.result()
+                if step > start:  # the weights trained last step reach the engine while it is idle
+                    metrics |= self.sync_weights()
+                metrics |= staleness_metrics(samples, self.version)
+                if step + 1 < self.cfg.run.steps:
+                    pending = pool.submit(self.rollout, step + 1)
+                metrics |= self.train_on(step, samples)
+                self._finish_step(step, metrics, samples, t0)
+            if self.step > start:
+                self.sync_weights()  # the last update reaches the engine too
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- bookkeeping ----------------------------------------------------------------------------------
+
+    def _finish_step(self, step: int, metrics: dict[str, float], samples: Sequence[Sample], t0: float) -> None:
+        self.step = step + 1
+        metrics["time/step_s"] = time.perf_counter() - t0
+        self.tracker.log(step, metrics)
+        self.progress.done(step, metrics)
+        every = self.cfg.run.save_every
+        if (every and self.step % every == 0) or self.step == self.cfg.run.steps:
+            self.save()
+
+    def save(self) -> Path:
+        state = {"version": self.version, "data": self.data.state_dict(), "kl": self.kl_ctl.state_dict()}
+        return save_run_checkpoint(self.run_dir, self.step, self.trainer, state, self.cfg,
+                                   keep=self.cfg.run.keep_checkpoints)
+
+    def _load_dump(self, step: int) -> tuple[list[Sample], dict[str, float]]:
+        """``--debug-train-only``: the samples a previous run dumped for this step, filtered as usual."""
+        path = Path(self.cfg.rollout.load_dump) / f"step_{step}.jsonl"
+        if not path.is_file():
+            raise FileNotFoundError(f"--debug-train-only: no dump for step {step} ({path})")
+        samples = []
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            row["status"] = SampleStatus(row["status"])
+            samples.append(Sample(**row))
+        kept, _dropped, metrics = filter_samples(samples, self.cfg.algorithm.filters)
+        return kept, rollout_metrics(samples, seconds=0.0) | metrics
+
+    def _dump(self, step: int, samples: Sequence[Sample]) -> None:
+        out = self.run_dir / "rollouts"
+        out.mkdir(exist_ok=True)
+        with (out / f"step_{step}.jsonl").open("w") as f:
+            for s in samples:
+                row = {k: getattr(s, k) for k in ("prompt", "response", "tokens", "response_length", "loss_mask",
+                                                  "rollout_log_probs", "reward", "label", "weight_versions",
+                                                  "group_index", "index")}
+                row["status"] = s.status.value
+                f.write(json.dumps(row, default=str) + "\n")
+

@@ -1,0 +1,52 @@
+"""Per-step rollout metrics computed from samples (plain floats, ready to log)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from tandem.core.sample import Sample, SampleStatus
+
+__all__ = ["rollout_metrics", "staleness_metrics"]
+
+
+def rollout_metrics(samples: Sequence[Sample], *, seconds: float) -> dict[str, float]:
+    """Reward distribution, pass rate (reward > 0), response lengths, finish statuses, tokens/s."""
+    n = len(samples)
+    if n == 0:
+        return {"rollout/samples": 0.0}
+    lengths = np.array([s.response_length for s in samples], dtype=np.float64)
+    statuses = [s.status for s in samples]
+    rewards = np.array([s.scalar_reward() for s in samples if s.reward is not None], dtype=np.float64)
+    out = {
+        "rollout/samples": float(n),
+        "rollout/response_len_mean": float(lengths.mean()),
+        "rollout/response_len_max": float(lengths.max()),
+        "rollout/truncated_frac": statuses.count(SampleStatus.TRUNCATED) / n,
+        "rollout/aborted": float(statuses.count(SampleStatus.ABORTED)),
+        "rollout/failed": float(statuses.count(SampleStatus.FAILED)),
+        "rollout/tokens_per_s": float(lengths.sum() / max(seconds, 1e-9)),
+        "time/generate_s": seconds,
+    }
+    if rewards.size:
+        q10, q50, q90 = np.quantile(rewards, [0.1, 0.5, 0.9])
+        out |= {
+            "reward/mean": float(rewards.mean()),
+            "reward/std": float(rewards.std()),
+            "reward/min": float(rewards.min()),
+            "reward/max": float(rewards.max()),
+            "reward/p10": float(q10),
+            "reward/p50": float(q50),
+            "reward/p90": float(q90),
+            "rollout/pass_rate": float((rewards > 0).mean()),
+        }
+    return out
+
+
+def staleness_metrics(samples: Sequence[Sample], version: int) -> dict[str, float]:
+    """How many weight versions behind ``version`` the oldest token of each sample is."""
+    lags = [version - min(s.weight_versions) for s in samples if s.weight_versions]
+    if not lags:
+        return {}
+    return {"async/staleness_mean": float(np.mean(lags)), "async/staleness_max": float(max(lags))}

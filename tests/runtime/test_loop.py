@@ -1,0 +1,150 @@
+"""The RL loop end to end on tiny models: modes, resume, bad data and rewards, golden numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tandem.config import ConfigError, load_config
+from tandem.runtime.config import RunConfig
+from tandem.runtime.loop import Run
+from tandem.runtime.tracking import read_metrics
+
+RECIPE = Path(__file__).parents[2] / "recipes" / "tiny" / "grpo-sync.yaml"
+EVEN = ["reward.terms=[{name: 'tests.runtime.rewards:even_tokens'}]"]
+GOLDEN = Path(__file__).parent / "golden_tiny_grpo.json"
+
+
+def _cfg(*overrides: str) -> RunConfig:
+    return load_config(RunConfig, RECIPE, [*EVEN, *overrides])
+
+
+def _weights(run: Run) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for b in run.trainer.named_parameters_for_sync(1 << 30) for n, t in b}
+
+
+def _engine_weights(run: Run) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in run.engine.model.hf_state_dict().items()}
+
+
+@pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])
+def test_modes_run_train_and_sync(tmp_path, mode):
+    extra = [] if mode == "sync" else ["algorithm.off_policy.mode=tis", "runtime.max_staleness=1"]
+    run = Run(_cfg(f"runtime.mode={mode}", *extra), tmp_path)
+    before = _weights(run)
+    run.train()
+    after = _weights(run)
+    assert any(not torch.equal(before[k], after[k]) for k in before), "no weight changed"
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for i, r in enumerate(rows):
+        for key in ("reward/mean", "train/grad_norm", "train_rollout_logprob_abs_diff/mean", "time/train_s",
+                    "rollout/response_len_mean"):
+            assert key in r, (mode, key)
+        # one-step-off syncs the weights of step N-1 before starting rollout N+1
+        assert "sync/version" in r or (mode == "one_step_off" and i == 0)
+    # the engine holds the trainer's final weights
+    eng = _engine_weights(run)
+    assert all(torch.equal(eng[k], after[k]) for k in after)
+    if mode == "fully_async":
+        assert all(r["async/staleness_max"] <= 1 for r in rows if "async/staleness_max" in r)
+    if mode == "one_step_off":
+        assert all(r.get("async/staleness_max", 1) == 1 for r in rows[1:])
+
+
+def test_async_modes_require_an_off_policy_correction():
+    with pytest.raises(ConfigError, match="set an explicit off-policy correction"):
+        _cfg("runtime.mode=fully_async")
+
+
+def test_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path):
+    full = Run(_cfg("run.steps=4", "run.save_every=2"), tmp_path / "full")
+    full.train()
+    a = tmp_path / "part"
+    Run(_cfg("run.steps=2", "run.save_every=2"), a).train()
+    resumed = Run(_cfg("run.steps=4", "run.save_every=2"), a, resume=True)
+    assert resumed.step == 2 and resumed.version == 2
+    resumed.train()
+    drop = ("time", "time/", "rollout/tokens_per_s", "train/tokens_per_s", "train/step_time_s", "sync/seconds",
+            "sync/gbps")
+    strip = lambda r: {k: v for k, v in r.items() if not k.startswith(drop)}  # noqa: E731
+    assert [strip(r) for r in read_metrics(a)] == [strip(r) for r in read_metrics(tmp_path / "full")]
+    wf, wr = _weights(full), _weights(resumed)
+    assert all(torch.equal(wf[k], wr[k]) for k in wf)
+
+
+def test_failing_and_hanging_rewards_are_counted_not_fatal(tmp_path):
+    run = Run(_cfg("reward.terms=[{name: 'tests.runtime.rewards:flaky'}]"), tmp_path)
+    run.train()
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 3
+    assert sum(r["rollout/failed"] for r in rows) > 0
+    assert sum(r["filter/dropped_failed"] for r in rows) == sum(r["rollout/failed"] for r in rows)
+    hang = Run(_cfg("reward.terms=[{name: 'tests.runtime.rewards:sometimes_hangs'}]", "reward.timeout_s=0.5",
+                    "run.steps=2"), tmp_path / "hang")
+    hang.train()
+    assert len(read_metrics(tmp_path / "hang")) == 2
+
+
+def test_bad_prompts_are_dropped_and_counted(tmp_path):
+    data = tmp_path / "d.jsonl"
+    lines = ['{"prompt": "What is 1 + 1?", "label": 2}', "{broken", '{"prompt": "", "label": 0}',
+             json.dumps({"prompt": "many words " * 300, "label": 1}), '{"prompt": "What is 2 + 2?", "label": 4}']
+    data.write_text("\n".join(lines) + "\n")
+    run = Run(_cfg(f"data.source={data}", "run.steps=1"), tmp_path / "run")
+    assert run.data.stats == {"bad_lines": 1, "empty_prompts": 1, "overlong_dropped": 1, "overlong_truncated": 0}
+    run.train()
+    assert len(read_metrics(tmp_path / "run")) == 1
+
+
+def _golden_run(tmp_path) -> list[dict]:
+    run = Run(_cfg("inference.torch.deterministic=true", "trainer.fsdp.deterministic=true"), tmp_path)
+    run.train()
+    keys = ("reward/mean", "reward/std", "loss/pg", "train/grad_norm", "adv/std", "rollout/response_len_mean")
+    return [{k: r[k] for k in keys} for r in read_metrics(tmp_path)]
+
+
+def test_golden_three_steps(tmp_path):
+    """A fixed-seed 3-step run logs the stored rewards and losses (deterministic mode on both sides)."""
+    got = _golden_run(tmp_path)
+    if not GOLDEN.exists():  # written once, then committed; a missing file fails loudly
+        GOLDEN.write_text(json.dumps(got, indent=1))
+        pytest.fail(f"wrote {GOLDEN}; commit it and rerun")
+    want = json.loads(GOLDEN.read_text())
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g["reward/mean"] == w["reward/mean"] and g["rollout/response_len_mean"] == w["rollout/response_len_mean"]
+        for k in w:
+            assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-7), k
+
+
+def test_dump_then_train_only_from_the_dump(tmp_path):
+    Run(_cfg("rollout.dump=true", "run.steps=2"), tmp_path / "a").train()
+    dumps = sorted(p.name for p in (tmp_path / "a" / "rollouts").iterdir())
+    assert dumps == ["step_0.jsonl", "step_1.jsonl"]
+    replay = Run(_cfg(f"rollout.load_dump={tmp_path / 'a' / 'rollouts'}", "run.steps=2"), tmp_path / "b")
+    replay.train()
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [r["reward/mean"] for r in a] == [r["reward/mean"] for r in b]
+    assert [r["train/tokens"] for r in a] == [r["train/tokens"] for r in b]
+
+
+def test_existing_run_dir_is_not_overwritten(tmp_path):
+    Run(_cfg("run.steps=1"), tmp_path).train()
+    with pytest.raises(FileExistsError, match="already holds a run"):
+        Run(_cfg("run.steps=1"), tmp_path)
+    Run(_cfg("run.steps=1"), tmp_path, overwrite=True).train()
+    assert len(read_metrics(tmp_path)) == 1
+
+
+def test_report_writes_plots(tmp_path):
+    from tandem.runtime.report import write_report
+
+    Run(_cfg("run.steps=2"), tmp_path).train()
+    summary = write_report(tmp_path)
+    assert summary["steps"] == 2 and "reward.png" in summary["plots"]
+    assert (tmp_path / "report" / "reward.png").stat().st_size > 1000
+    assert (tmp_path / "report" / "summary.txt").read_text().startswith("steps: 2")
