@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tandem.core.protocols import Completion, FinishReason, GenerationRequest, InferenceEngine, SamplingParams
 from tandem.core.sample import Sample, SampleStatus
@@ -92,8 +93,13 @@ def single_turn(
     step: int,
     first_group: int = 0,
     routed_experts: bool = False,
+    config: Any = None,
 ) -> list[Sample]:
-    """``len(prompts) * n`` samples, grouped by prompt (``group_index = first_group + i``)."""
+    """``len(prompts) * n`` samples, grouped by prompt (``group_index = first_group + i``).
+
+    This is the signature every generate function has; ``config`` is the run's ``RolloutConfig``
+    (a generate function with settings of its own reads them there; this one needs none).
+    """
     eos = getattr(tokenizer, "eos_token_id", None)
     requests = [
         GenerationRequest(

@@ -118,6 +118,7 @@ class Run:
                 self.engine, prompts, n=cfg.n_samples_per_prompt, sampling=cfg.sampling, tokenizer=self.tokenizer,
                 seed=self.cfg.run.seed + 7919 * round_, step=step, first_group=len(everything),
                 routed_experts=self.cfg.trainer.fsdp is not None and self.cfg.trainer.fsdp.routing_replay,
+                config=cfg,
             )
             gen_s += time.perf_counter() - t0
             self.progress.phase(step, "reward")

@@ -1,31 +1,58 @@
 """torch.distributed broadcast: trainer rank 0 -> engine processes, in a dedicated process group.
 
 The group is separate from the trainer's own (FSDP) group: a `TCPStore` hosted by the sender plus a
-gloo `ProcessGroupGloo` (NCCL on GPU follows the same protocol with CUDA buffers). Per sync the sender
-streams buckets; for each it broadcasts a control word, a JSON header and the flat bucket. The next
-bucket is prepared (gathered from shards, flattened) while the current one is on the wire.
+`ProcessGroupGloo` on CPU or a `ProcessGroupNCCL` on GPU (``device="cuda"``), rank 0 the sender and
+ranks ``1..num_receivers`` the engine processes.
 
-Control words (int64 ``[magic, version, kind, n]``): ``kind >= 0`` a bucket whose header has ``kind``
-bytes and whose body has ``n`` bytes; ``COMMIT`` ends an update; ``ABORT`` cancels it (the sender's
-producer failed). After ``COMMIT`` every receiver checks checksums, applies the staged update, and
-all-reduces a status (MIN): the sender learns that every engine applied it, or raises `SyncError`
-with the receivers' reasons (they post them in the store). A failed update is never half-applied.
+Protocol of one update (sequence number ``seq`` within a group):
 
-If a peer dies the group breaks: the sender raises `SyncError` and the next `send` re-forms the group
-(a new *generation*, under a fresh store prefix), waiting for receivers to reconnect.
+1. the sender *announces* it in the store (``announce/<seq>`` = version, verify flag). Receivers wait
+   for announcements in the store, not inside a collective, so an engine can idle for longer than the
+   collective timeout between syncs (a gloo op times out after ``timeout_s``);
+2. per bucket it broadcasts a control word ``[magic, version, header bytes, body bytes]``, the JSON
+   header and the flat body. The next bucket is gathered and flattened while the current one is on
+   the wire; each receiver checks a bucket's checksum in a helper thread while the next one arrives;
+3. a ``COMMIT`` control word ends the update (``ABORT``: the sender's producer failed; receivers drop
+   what they staged). Two all-reduces (MIN) follow: *prepared* (every receiver holds the whole update
+   with good checksums) and *applied* (every engine took it). A transfer problem on any receiver
+   therefore changes no engine; an engine that rejects the update (e.g. a shape mismatch) keeps its
+   old weights and reports why in the store (``result/<seq>/<rank>``), and the sender raises
+   `SyncError` naming it. With verify the results carry each engine's verify report.
+
+If a peer dies mid-transfer the sender sets ``abort`` in the group's store and raises `SyncError`;
+surviving receivers notice it while waiting on their collective, drop the staged update (the engine
+keeps its weights and version) and wait for the sender to re-form the group: the next ``send`` starts
+a new generation under a fresh store prefix and waits up to ``timeout_s`` for every receiver to join.
+A broken group is kept referenced (its pending work may block until the collective timeout, and
+destroying it would block the caller).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import secrets
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tandem.sync.base import BucketHeader, SyncError, flatten_bucket, unflatten_bucket
+from tandem.sync.apply import call_apply
+from tandem.sync.base import (
+    BucketHeader,
+    BufferPool,
+    SyncError,
+    check_bucket,
+    flatten_bucket,
+    sync_metrics,
+    tensor_hashes,
+    unflatten_bucket,
+)
+from tandem.sync.verify import check_reports
 
 __all__ = ["BroadcastReceiver", "BroadcastSender"]
 
@@ -33,7 +60,16 @@ log = logging.getLogger(__name__)
 
 MAGIC = 0x54414E44  # "TAND"
 COMMIT, ABORT = -1, -2
-ApplyFn = Callable[[list[tuple[str, torch.Tensor]], int], None]
+SESSION_KEY = "tandem-sync/session"  # "<sender token>:<generation>", the group to join
+CLOSED_KEY = "tandem-sync/closed"
+_POLL_S = 0.001  # sleep between completion checks of a collective
+_ABORT_EVERY = 50  # check the store's abort key every this many polls
+_IDLE_POLL_S = 0.02  # sleep between checks for an announcement
+ApplyFn = Callable[..., Any]
+
+
+class _Aborted(SyncError):
+    """The sender abandoned the group (a peer died) while this receiver waited on a collective."""
 
 
 def _bcast(pg, tensor: torch.Tensor):
@@ -42,181 +78,380 @@ def _bcast(pg, tensor: torch.Tensor):
     return pg.broadcast([tensor], opts)
 
 
-def _allreduce_min(pg, tensor: torch.Tensor) -> None:
+def _allreduce_min(pg, tensor: torch.Tensor):
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MIN
-    pg.allreduce([tensor], opts).wait()
+    return pg.allreduce([tensor], opts)
+
+
+def _new_pg(store: dist.Store, rank: int, size: int, timeout_s: float, device: torch.device):
+    if device.type == "cuda":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timedelta(seconds=timeout_s)
+        return dist.ProcessGroupNCCL(store, rank, size, opts)
+    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
 
 
 class _Group:
-    """A gloo group of one sender (rank 0) and ``num_receivers`` receivers, for one generation."""
+    """One generation of the group: its store prefix, process group and update counter."""
 
-    def __init__(self, store: dist.Store, generation: int, rank: int, size: int, timeout_s: float) -> None:
-        prefixed = dist.PrefixStore(f"tandem-sync/g{generation}/", store)
-        self.store = prefixed
-        self.generation = generation
-        self.pg = dist.ProcessGroupGloo(prefixed, rank, size, timedelta(seconds=timeout_s))
+    def __init__(self, store: dist.Store, session: str, rank: int, size: int, timeout_s: float, device) -> None:
+        self.store = dist.PrefixStore(f"tandem-sync/{session}/", store)
+        self.session = session
+        self.pg = _new_pg(self.store, rank, size, timeout_s, device)
+        self.seq = 0
+
+
+def _status(value: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.int64, device=device)
 
 
 class BroadcastSender:
-    """Trainer side. Hosts the rendezvous store on ``host:port`` (port 0 picks a free one)."""
+    """Trainer side. Hosts the rendezvous store on ``host:port`` (port 0 picks a free one).
+
+    ``verify``: every receiver hashes its engine's weights after applying; `send` compares them with
+    the hashes of what it sent (`tandem.sync.verify`). ``device="cuda"`` uses NCCL with GPU buffers
+    (buckets are then sent without a checksum unless ``hash_buckets``: hashing needs a host copy).
+    """
 
     def __init__(
-        self, *, num_receivers: int, host: str = "127.0.0.1", port: int = 0, timeout_s: float = 120.0
+        self,
+        *,
+        num_receivers: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        timeout_s: float = 120.0,
+        verify: bool = False,
+        device: str = "cpu",
+        hash_buckets: bool | None = None,
     ):
         if num_receivers < 1:
             raise ValueError(f"num_receivers={num_receivers} must be >= 1")
-        self.num_receivers, self.timeout_s = num_receivers, timeout_s
+        self.device = torch.device(device)
+        if self.device.type == "cuda":
+            from tandem.sync.cuda import require_cuda
+
+            require_cuda("transport 'broadcast' on device 'cuda' (NCCL)")
+        self.num_receivers, self.timeout_s, self.verify = num_receivers, timeout_s, verify
+        self.hash_buckets = self.device.type == "cpu" if hash_buckets is None else hash_buckets
         self.store = dist.TCPStore(
-            host,
-            port,
-            world_size=None,
-            is_master=True,
-            timeout=timedelta(seconds=timeout_s),
-            wait_for_workers=False,
+            host, port, world_size=None, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
         )
         self.host, self.port = host, self.store.port
+        self._token = secrets.token_hex(4)  # a restarted sender never reuses a generation name
         self._generation = 0
         self._group: _Group | None = None
+        self._broken: list[_Group] = []
+        self._pool = BufferPool(self.device)
+        self._last_buckets = 0
 
     def _connect(self) -> _Group:
         if self._group is None:
             self._generation += 1
-            self.store.set("tandem-sync/generation", str(self._generation))
-            self._group = _Group(self.store, self._generation, 0, self.num_receivers + 1, self.timeout_s)
+            session = f"{self._token}:{self._generation}"
+            self.store.set(SESSION_KEY, session)
+            try:
+                self._group = _Group(self.store, session, 0, self.num_receivers + 1, self.timeout_s, self.device)
+            except Exception as e:
+                raise SyncError(
+                    f"broadcast sync: {self.num_receivers} receiver(s) did not join within {self.timeout_s}s "
+                    f"({type(e).__name__}: {e})"
+                ) from e
         return self._group
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> dict[str, float]:
         """Stream ``buckets`` to every receiver as update ``version``; raise `SyncError` on failure."""
         t0 = time.perf_counter()
-        nbytes = 0
+        group = self._connect()
+        group.seq += 1
+        seq = group.seq
+        group.store.set(f"announce/{seq}", json.dumps({"version": version, "verify": self.verify}))
+        sent: dict[str, int] = {}
         try:
-            group = self._connect()
-            pending: list = []  # (work, buffer): the buffer must live until its broadcast completed
-            it = iter(buckets)
-            while True:
-                try:
-                    bucket = next(it)
-                except StopIteration:
-                    break
-                except Exception:
-                    self._control(group, version, ABORT, 0)
-                    raise
-                flat, header = flatten_bucket(bucket)
-                hdr = torch.frombuffer(bytearray(header.to_json().encode()), dtype=torch.uint8)
-                for work, _buf in pending:
-                    work.wait()
-                self._control(group, version, hdr.numel(), flat.numel())
-                _bcast(group.pg, hdr).wait()
-                pending = [(_bcast(group.pg, flat), flat)]
-                nbytes += flat.numel()
-            for work, _buf in pending:
-                work.wait()
+            nbytes = self._stream(group, buckets, version, sent)
             self._control(group, version, COMMIT, 0)
-            status = torch.ones(1, dtype=torch.int64)
-            _allreduce_min(group.pg, status)
-        except SyncError:
-            raise
+            prepared = _status(1, self.device)
+            _allreduce_min(group.pg, prepared).wait()
+            applied = _status(1, self.device)
+            if int(prepared.item()) == 1:
+                _allreduce_min(group.pg, applied).wait()
+        except _ProducerFailed as e:
+            cause = e.__cause__
+            raise SyncError(
+                f"sync to version {version} cancelled, weights unchanged: the trainer's buckets failed: "
+                f"{type(cause).__name__}: {cause}"
+            ) from cause
         except Exception as e:
-            self._group = None  # the group is broken; the next send re-forms it
+            self._abandon(group, f"{type(e).__name__}: {e}")
             raise SyncError(f"broadcast sync to version {version} failed: {type(e).__name__}: {e}") from e
-        if int(status.item()) != 1:
-            reasons = []
-            for r in range(1, self.num_receivers + 1):
-                key = f"error/{version}/{r}"
-                if group.store.check([key]):
-                    reasons.append(f"receiver {r}: {group.store.get(key).decode()}")
+        results = self._results(group, seq)
+        if int(prepared.item()) != 1 or int(applied.item()) != 1:
+            reasons = [f"receiver {r}: {res.get('error')}" for r, res in results.items() if not res.get("ok")]
             raise SyncError(
                 f"sync to version {version} was not applied ({'; '.join(reasons) or 'no reason given'})"
             )
-        dt = time.perf_counter() - t0
-        return {"sync/bytes": float(nbytes), "sync/seconds": dt, "sync/gbps": nbytes / max(dt, 1e-9) / 1e9}
+        extra = {}
+        if self.verify:
+            reports = {f"receiver {r}": res.get("report") for r, res in results.items()}
+            extra = check_reports(sent, reports, version)
+        return sync_metrics(nbytes, time.perf_counter() - t0, buckets=self._last_buckets, **extra)
 
-    @staticmethod
-    def _control(group: _Group, version: int, kind: int, n: int) -> None:
-        _bcast(group.pg, torch.tensor([MAGIC, version, kind, n], dtype=torch.int64)).wait()
+    def _stream(self, group: _Group, buckets, version: int, sent: dict[str, int]) -> int:
+        nbytes = 0
+        pending = None  # the body in flight; its buffer (a pool slot) lives until it completed
+        it = iter(buckets)
+        i = 0
+        while True:
+            try:
+                bucket = next(it)
+            except StopIteration:
+                break
+            except Exception as e:  # the trainer's producer failed: cancel the update, keep the group
+                if pending is not None:
+                    pending.wait()
+                self._control(group, version, ABORT, 0)
+                raise _ProducerFailed() from e
+            flat, header = flatten_bucket(bucket, self._pool, i % 2, hashed=self.hash_buckets)
+            if self.verify:
+                sent.update(tensor_hashes(bucket))
+            hdr = torch.frombuffer(bytearray(header.to_json().encode()), dtype=torch.uint8)
+            if pending is not None:
+                pending.wait()
+            self._control(group, version, hdr.numel(), flat.numel())
+            _bcast(group.pg, hdr.to(self.device)).wait()
+            pending = _bcast(group.pg, flat)
+            nbytes += flat.numel()
+            i += 1
+        if pending is not None:
+            pending.wait()
+        self._last_buckets = i
+        return nbytes
+
+    def _control(self, group: _Group, version: int, kind: int, n: int) -> None:
+        _bcast(group.pg, torch.tensor([MAGIC, version, kind, n], dtype=torch.int64, device=self.device)).wait()
+
+    def _results(self, group: _Group, seq: int) -> dict[int, dict]:
+        out = {}
+        for r in range(1, self.num_receivers + 1):
+            key = f"result/{seq}/{r}"
+            out[r] = json.loads(group.store.get(key).decode()) if group.store.check([key]) else {}
+            group.store.delete_key(key)
+        group.store.delete_key(f"announce/{seq}")
+        return out
+
+    def _abandon(self, group: _Group, reason: str) -> None:
+        """Tell surviving receivers to drop this group; the next `send` forms a new one."""
+        try:
+            group.store.set("abort", reason)
+        except Exception:  # noqa: BLE001 - best effort: the store is ours, this should not fail
+            log.exception("could not post the abort of sync group %s", group.session)
+        self._broken.append(group)
+        self._group = None
 
     def close(self) -> None:
+        """Tell receivers that no more updates come (their `receive` returns None)."""
+        try:
+            self.store.set(CLOSED_KEY, "1")
+        except Exception:  # noqa: BLE001
+            log.warning("could not post the sync sender's close")
         self._group = None
+        self._pool.clear()
+
+
+class _ProducerFailed(Exception):
+    """The bucket iterator raised; the update was cancelled with ABORT and the group is intact."""
 
 
 class BroadcastReceiver:
-    """Engine side: joins the sender's store, receives whole updates and applies them."""
+    """Engine side: joins the sender's store, receives whole updates and applies them.
 
-    def __init__(self, *, rank: int, num_receivers: int, host: str, port: int, timeout_s: float = 120.0):
+    ``receive(apply)`` blocks until one update arrived and was applied (or rejected). Staging buffers
+    are kept between updates (see `BufferPool`).
+    """
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        num_receivers: int,
+        host: str,
+        port: int,
+        timeout_s: float = 120.0,
+        device: str = "cpu",
+    ):
         if not 1 <= rank <= num_receivers:
             raise ValueError(f"receiver rank={rank} must be in [1, {num_receivers}]")
         self.rank, self.size, self.timeout_s = rank, num_receivers + 1, timeout_s
-        self.store = dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        self.host, self.port = host, port
+        self.device = torch.device(device)
+        self.store = self._store()
         self._group: _Group | None = None
-        self._seen_generation = 0
+        self._broken: list[_Group] = []
+        self._seen_session = ""
+        self._pool = BufferPool(self.device)
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tandem-sync-hash")
+        self.stop_requested = False  # set by `EngineReceiver.stop`: idle waits return None
         self.corrupt_next_bucket = False  # fault injection for tests: flip a byte after receiving
 
-    def _connect(self) -> _Group:
-        if self._group is None:
-            deadline = time.monotonic() + self.timeout_s
-            while True:
-                gen = int(self.store.get("tandem-sync/generation").decode())
-                if gen > self._seen_generation:
-                    break
-                if time.monotonic() > deadline:
-                    raise SyncError("timed out waiting for the sender to re-form the sync group")
-                time.sleep(0.05)
-            self._seen_generation = gen
-            self._group = _Group(self.store, gen, self.rank, self.size, self.timeout_s)
+    def _store(self) -> dist.TCPStore:
+        try:
+            return dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
+        except Exception as e:
+            raise SyncError(f"cannot reach the sync sender's store at {self.host}:{self.port}: {e}") from e
+
+    def _connect(self) -> _Group | None:
+        """The live group, or join the sender's newest one (None: the sender closed, or stop)."""
+        if self._group is not None:
+            return self._group
+        while True:
+            state = self._poll_store([SESSION_KEY])
+            if state is None:
+                return None
+            session = self.store.get(SESSION_KEY).decode() if state else ""
+            if session and session != self._seen_session:
+                break
+            time.sleep(_IDLE_POLL_S)
+        self._seen_session = session
+        try:
+            self._group = _Group(self.store, session, self.rank, self.size, self.timeout_s, self.device)
+        except Exception as e:
+            raise SyncError(f"could not join sync group {session}: {type(e).__name__}: {e}") from e
         return self._group
 
-    def receive(self, apply: ApplyFn) -> int:
-        """Block until one update arrives; stage, verify and ``apply(named_tensors, version)`` it.
+    def _poll_store(self, keys: list[str]) -> bool | None:
+        """Whether ``keys`` exist (None: the sender closed or a stop was requested). Reconnects to a
+        restarted sender's store."""
+        if self.stop_requested:
+            return None
+        try:
+            if self.store.check([CLOSED_KEY]):
+                return None
+            return self.store.check(keys)
+        except Exception as e:  # the sender's process (which hosts the store) went away
+            log.warning("lost the sync sender's store (%s); reconnecting", e)
+            self._drop_group()
+            time.sleep(0.5)
+            self.store = self._store()
+            self._seen_session = ""
+            return False
 
-        Returns the applied version. On a failed update (bad checksum, apply raised) the engine keeps
-        its weights, the sender is told why, and the next update can succeed; if the group broke,
-        raises `SyncError` and the next call reconnects.
+    def _wait_announce(self, group: _Group) -> dict | None:
+        key = f"announce/{group.seq + 1}"
+        while True:
+            state = self._poll_store([SESSION_KEY])
+            if state is None:
+                return None
+            if self._group is not group:  # the store was reconnected
+                raise SyncError("the sync sender restarted; rejoining")
+            if group.store.check([key]):
+                return json.loads(group.store.get(key).decode())
+            if self.store.get(SESSION_KEY).decode() != group.session:
+                self._drop_group()
+                raise SyncError("the sync sender re-formed the group; rejoining")
+            time.sleep(_IDLE_POLL_S)
+
+    def _wait(self, group: _Group, work) -> None:
+        """Wait for a collective, giving up if the sender abandons the group meanwhile."""
+        polls = 0
+        while not work.is_completed():
+            time.sleep(_POLL_S)
+            polls += 1
+            if polls % _ABORT_EVERY == 0 and group.store.check(["abort"]):
+                raise _Aborted(f"the sender aborted the update: {group.store.get('abort').decode()}")
+        work.wait()
+
+    def _drop_group(self) -> None:
+        if self._group is not None:
+            self._broken.append(self._group)
+        self._group = None
+
+    def receive(self, apply: ApplyFn) -> int | None:
+        """Block until one update arrives; stage, check and ``apply(named_tensors, version)`` it.
+
+        Returns the applied version, or None if the sender closed (or `stop_requested`). A failed
+        update raises `SyncError` and leaves the engine on its weights and version; the next call
+        receives the next update (rejoining the group if it broke).
         """
         group = self._connect()
-        staged: list[tuple[torch.Tensor, BucketHeader]] = []
+        if group is None:
+            return None
+        announced = self._wait_announce(group)
+        if announced is None:
+            return None
+        group.seq += 1
+        version = int(announced["version"])
         try:
-            while True:
-                ctrl = torch.empty(4, dtype=torch.int64)
-                _bcast(group.pg, ctrl).wait()
-                magic, version, kind, n = (int(x) for x in ctrl)
-                if magic != MAGIC:
-                    raise SyncError(f"bad control word {ctrl.tolist()}: not a Tandem sync stream")
-                if kind == ABORT:
-                    staged = []
-                    log.warning("sync to version %d aborted by the sender; weights unchanged", version)
-                    continue
-                if kind == COMMIT:
-                    break
-                hdr = torch.empty(kind, dtype=torch.uint8)
-                _bcast(group.pg, hdr).wait()
-                flat = torch.empty(n, dtype=torch.uint8)
-                _bcast(group.pg, flat).wait()
-                if self.corrupt_next_bucket:
-                    flat[0] ^= 0xFF
-                    self.corrupt_next_bucket = False
-                staged.append((flat, BucketHeader.from_json(bytes(hdr.numpy()).decode())))
+            staged = self._stage(group, version)
         except SyncError:
-            self._group = None
+            self._drop_group()
             raise
         except Exception as e:
-            self._group = None
-            raise SyncError(f"sync receive failed: {type(e).__name__}: {e}") from e
-        ok = 1
+            self._drop_group()
+            raise SyncError(f"sync receive of version {version} failed: {type(e).__name__}: {e}") from e
+        if staged is None:  # ABORT: the sender's producer failed; the group is fine
+            raise SyncError(f"sync to version {version} was cancelled by the sender; weights unchanged")
+        return self._commit(group, staged, version, apply, bool(announced.get("verify")))
+
+    def _stage(self, group: _Group, version: int) -> list[tuple[torch.Tensor, BucketHeader, Future]] | None:
+        staged = []
+        i = 0
+        while True:
+            ctrl = torch.empty(4, dtype=torch.int64, device=self.device)
+            self._wait(group, _bcast(group.pg, ctrl))
+            magic, sent_version, kind, n = (int(x) for x in ctrl.tolist())
+            if magic != MAGIC or sent_version != version:
+                raise SyncError(f"bad control word {ctrl.tolist()} for version {version}: not this update's stream")
+            if kind == ABORT:
+                return None
+            if kind == COMMIT:
+                return staged
+            hdr = torch.empty(kind, dtype=torch.uint8, device=self.device)
+            self._wait(group, _bcast(group.pg, hdr))
+            flat = self._pool.get(i, n)
+            self._wait(group, _bcast(group.pg, flat))
+            if self.corrupt_next_bucket:
+                flat[0] ^= 0xFF
+                self.corrupt_next_bucket = False
+            header = BucketHeader.from_json(bytes(hdr.cpu().numpy()).decode())
+            staged.append((flat, header, self._hasher.submit(check_bucket, flat, header)))
+            i += 1
+
+    def _commit(self, group: _Group, staged, version: int, apply: ApplyFn, verify: bool) -> int:
+        """Phase 1: all checksums good everywhere; phase 2: apply and report."""
+        result: dict[str, Any] = {"ok": True}
         try:
-            named = [nt for flat, header in staged for nt in unflatten_bucket(flat, header, verify=True)]
-            apply(named, version)
-        except Exception as e:  # noqa: BLE001 - reported to the sender, weights untouched
-            ok = 0
-            group.store.set(f"error/{version}/{self.rank}", f"{type(e).__name__}: {e}")
-            log.error("sync to version %d not applied: %s", version, e)
-        status = torch.tensor([ok], dtype=torch.int64)
-        _allreduce_min(group.pg, status)
-        if not ok:
-            raise SyncError(
-                f"sync to version {version} was not applied: {group.store.get(f'error/{version}/{self.rank}').decode()}"
-            )
+            for _, _, hashed in staged:
+                hashed.result()
+        except SyncError as e:
+            result = {"ok": False, "error": str(e)}
+        try:
+            prepared = _status(int(result["ok"]), self.device)
+            group.store.set(f"result/{group.seq}/{self.rank}", json.dumps(result))
+            self._wait(group, _allreduce_min(group.pg, prepared))
+            if int(prepared.item()) != 1:
+                raise SyncError(f"sync to version {version} not applied: {result.get('error') or 'another receiver failed'}")
+            try:
+                named = [nt for flat, header, _ in staged for nt in unflatten_bucket(flat, header, verify=False)]
+                result["report"] = call_apply(apply, named, version, verify=verify)
+            except Exception as e:  # noqa: BLE001 - reported to the sender, weights untouched
+                result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                log.error("sync to version %d not applied: %s", version, e)
+            group.store.set(f"result/{group.seq}/{self.rank}", json.dumps(result))
+            applied = _status(int(result["ok"]), self.device)
+            self._wait(group, _allreduce_min(group.pg, applied))
+        except _Aborted:
+            self._drop_group()
+            raise
+        except SyncError:
+            raise
+        except Exception as e:
+            self._drop_group()
+            raise SyncError(f"sync commit of version {version} failed: {type(e).__name__}: {e}") from e
+        if not result["ok"]:
+            raise SyncError(f"sync to version {version} was not applied: {result['error']}")
         return version
 
     def close(self) -> None:
-        self._group = None
+        self._drop_group()
+        self._hasher.shutdown(wait=False)
+        self._pool.clear()

@@ -2,16 +2,21 @@
 
 Layout under ``directory``::
 
-    blobs/<xxh3>.safetensors    one file per sent bucket, named by the hash of its contents
+    blobs/<xxh3>.safetensors    one file per sent bucket, named by a hash of its tensors' hashes
     manifests/v<version>.json   every tensor's name -> (blob, tensor hash) for that version
     LATEST                      the newest complete version (written last)
 
-Every file is written to a temporary name and renamed into place, and ``LATEST`` only moves after the
-blobs and the manifest exist, so a reader never sees a partial version. In **delta** mode the sender
-hashes every tensor and writes only those that changed since the previous version; the manifest
-still lists every tensor (unchanged ones point to older blobs), and a receiver loads only the tensors
-whose hash differs from what it already holds. Old versions beyond ``keep_versions`` are pruned, with
-the blobs no kept manifest references.
+Every file is written to a temporary name, flushed to disk (``fsync``) and renamed into place, and
+``LATEST`` only moves after the blobs and the manifest exist, so a reader never sees a partial
+version, even after a crash. In **delta** mode the sender hashes every tensor and writes only those
+that changed since the previous version; the manifest still lists every tensor (unchanged ones point
+to older blobs), and a receiver loads only the tensors whose hash differs from what its engine holds
+(with the scale/zero-point companions of a quantized weight, which only make sense together). Old
+versions beyond ``keep_versions`` are pruned, with the blobs no kept manifest references.
+
+A receiver reads each tensor, checks its hash against the manifest, and applies the whole version at
+once; a corrupted or vanished file fails the poll with `SyncError` and the engine keeps its weights.
+``verify`` on the receiver compares the engine's weights with the manifest's hashes afterwards.
 """
 
 from __future__ import annotations
@@ -20,18 +25,30 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
+import xxhash
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tandem.sync.base import SyncError, checksum
+from tandem.kernels.state_dict import COMPANION_SUFFIXES
+from tandem.sync.apply import call_apply
+from tandem.sync.base import ApplyFn, SyncError, checksum, sync_metrics
+from tandem.sync.verify import check_reports
 
 __all__ = ["DiskReceiver", "DiskSender"]
 
-ApplyFn = Callable[[list[tuple[str, torch.Tensor]], int], None]
+
+def _fsync_replace(tmp: str, path: Path) -> None:
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -39,9 +56,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        _fsync_replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
@@ -52,8 +67,21 @@ def _read_latest(root: Path) -> int | None:
     return int(p.read_text()) if p.is_file() else None
 
 
+def _blob_name(hashes: list[tuple[str, int]]) -> str:
+    """Content address of a bucket: a hash of its tensors' names and hashes (no second data pass)."""
+    h = xxhash.xxh3_64()
+    for name, digest in hashes:
+        h.update(name.encode())
+        h.update(digest.to_bytes(8, "little"))
+    return f"{h.intdigest():016x}.safetensors"
+
+
 class DiskSender:
+    """Writes each version as safetensors blobs + a manifest, atomically (see the module docstring)."""
+
     def __init__(self, directory: str | Path, *, delta: bool = False, keep_versions: int = 2) -> None:
+        if keep_versions < 1:
+            raise ValueError(f"keep_versions={keep_versions} must be >= 1")
         self.root = Path(directory)
         (self.root / "blobs").mkdir(parents=True, exist_ok=True)
         (self.root / "manifests").mkdir(parents=True, exist_ok=True)
@@ -69,28 +97,21 @@ class DiskSender:
         written = total = 0
         try:
             for bucket in buckets:
-                hashes = {name: checksum(t) for name, t in bucket}
-                changed = [
-                    (n, t)
-                    for n, t in bucket
-                    if not self.delta or self._last.get(n, {}).get("hash") != hashes[n]
-                ]
-                changed_names = {n for n, _ in changed}
-                for name, t in bucket:
+                hashes = [(name, checksum(t)) for name, t in bucket]
+                changed = []
+                for i, ((name, t), (_, h)) in enumerate(zip(bucket, hashes, strict=True)):
                     total += t.numel() * t.element_size()
-                    if name not in changed_names:
+                    if self._unchanged(name, h):
                         entries[name] = dict(self._last[name])
+                    else:
+                        changed.append(i)
                 if not changed:
                     continue
-                blob = f"{checksum(t for _, t in changed):016x}.safetensors"
-                target = self.root / "blobs" / blob
-                if not target.exists():
-                    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{blob}.", suffix=".tmp")
-                    os.close(fd)
-                    save_file({n: t.detach().contiguous().cpu() for n, t in changed}, tmp)
-                    os.replace(tmp, target)
-                for n, t in changed:
-                    entries[n] = {"blob": blob, "hash": hashes[n]}
+                blob = _blob_name([hashes[i] for i in changed])
+                self._write_blob(blob, {bucket[i][0]: bucket[i][1] for i in changed})
+                for i in changed:
+                    name, t = bucket[i]
+                    entries[name] = {"blob": blob, "hash": hashes[i][1]}
                     written += t.numel() * t.element_size()
             manifest = {"version": version, "tensors": entries}
             _atomic_write(self.root / "manifests" / f"v{version}.json", json.dumps(manifest).encode())
@@ -98,16 +119,26 @@ class DiskSender:
         except OSError as e:
             raise SyncError(f"disk sync of version {version} to {self.root} failed: {e}") from e
         self._last = entries
-        self._prune(version)
-        dt = time.perf_counter() - t0
-        return {
-            "sync/bytes": float(written),
-            "sync/bytes_total": float(total),
-            "sync/seconds": dt,
-            "sync/gbps": written / max(dt, 1e-9) / 1e9,
-        }
+        self._prune()
+        return sync_metrics(written, time.perf_counter() - t0, bytes_total=total)
 
-    def _prune(self, newest: int) -> None:
+    def _unchanged(self, name: str, digest: int) -> bool:
+        return self.delta and self._last.get(name, {}).get("hash") == digest
+
+    def _write_blob(self, blob: str, tensors: dict[str, torch.Tensor]) -> None:
+        target = self.root / "blobs" / blob
+        if target.exists():  # same content already stored (e.g. a re-sent version)
+            return
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{blob}.", suffix=".tmp")
+        os.close(fd)
+        try:
+            save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()}, tmp)
+            _fsync_replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def _prune(self) -> None:
         manifests = sorted(self.root.glob("manifests/v*.json"), key=lambda p: int(p.stem[1:]))
         for p in manifests[: -self.keep_versions]:
             p.unlink(missing_ok=True)
@@ -122,26 +153,51 @@ class DiskSender:
         pass
 
 
+def _group_key(name: str) -> str:
+    """A quantized weight and its companions (``_scale_inv``, ``_packed``, ...) share a key."""
+    for suffix in COMPANION_SUFFIXES:
+        if name.endswith(suffix):
+            return name.removesuffix(suffix)
+    return name
+
+
 class DiskReceiver:
     """Loads the newest complete version into an engine (only changed tensors in delta mode)."""
 
     def __init__(self, directory: str | Path) -> None:
         self.root = Path(directory)
         self.version: int | None = None
-        self._hashes: dict[str, int] = {}
+        self._hashes: dict[str, int] = {}  # what the engine holds, by name
 
     def latest_version(self) -> int | None:
         return _read_latest(self.root)
 
-    def poll(self, apply: ApplyFn) -> int | None:
-        """Apply the newest version if it is newer than the last applied one; return it (or None)."""
+    def poll(self, apply: ApplyFn, *, verify: bool = False) -> int | None:
+        """Apply the newest version if it is newer than the last applied one; return it (or None).
+
+        ``verify``: afterwards compare the engine's weights with the manifest's hashes; a mismatch
+        raises `VerifyError` (the update was applied).
+        """
         latest = self.latest_version()
         if latest is None or (self.version is not None and latest <= self.version):
             return None
-        manifest = json.loads((self.root / "manifests" / f"v{latest}.json").read_text())["tensors"]
+        try:
+            manifest = json.loads((self.root / "manifests" / f"v{latest}.json").read_text())["tensors"]
+            named = self._load_changed(manifest, latest)
+        except OSError as e:  # pruned under us by a fast sender: the next poll reads a newer version
+            raise SyncError(f"disk sync v{latest}: could not read {e.filename}: {e.strerror}") from e
+        report = call_apply(apply, named, latest, verify=verify)  # raises -> nothing recorded
+        self._hashes.update({n: manifest[n]["hash"] for n, _ in named})
+        self.version = latest
+        if verify:
+            check_reports({n: manifest[n]["hash"] for n, _ in named}, {"engine": report}, latest)
+        return latest
+
+    def _load_changed(self, manifest: dict[str, Any], version: int) -> list[tuple[str, torch.Tensor]]:
+        stale = {_group_key(n) for n, e in manifest.items() if self._hashes.get(n) != e["hash"]}
         wanted: dict[str, list[str]] = {}
         for name, entry in manifest.items():
-            if self._hashes.get(name) != entry["hash"]:
+            if _group_key(name) in stale:
                 wanted.setdefault(entry["blob"], []).append(name)
         named = []
         for blob, names in wanted.items():
@@ -150,10 +206,7 @@ class DiskReceiver:
                     t = f.get_tensor(n)
                     if checksum(t) != manifest[n]["hash"]:
                         raise SyncError(
-                            f"disk sync v{latest}: tensor {n!r} in {blob} is corrupted (hash mismatch)"
+                            f"disk sync v{version}: tensor {n!r} in {blob} is corrupted (hash mismatch)"
                         )
                     named.append((n, t))
-        apply(named, latest)  # raises -> nothing recorded; the engine keeps its weights
-        self._hashes.update({n: manifest[n]["hash"] for _, names in wanted.items() for n in names})
-        self.version = latest
-        return latest
+        return named

@@ -1,7 +1,8 @@
 """In-process sync: trainer and engine share one process (the colocated default).
 
 No serialisation and no staging copy: the engine copies each trainer tensor straight into its own
-existing parameter storage (``update_weights`` validates every name and shape before it writes).
+existing parameter storage (``update_weights`` validates every name and shape before it writes, so a
+rejected update leaves the engine untouched). The only full-model pass is that copy.
 """
 
 from __future__ import annotations
@@ -9,18 +10,30 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 
-from tandem.core.protocols import InferenceEngine
-from tandem.sync.base import SyncError
+from tandem.kernels.config import QuantConfig
+from tandem.sync.apply import WeightApplier
+from tandem.sync.base import SyncError, sync_metrics, tensor_hashes
+from tandem.sync.verify import check_reports
+
+__all__ = ["InProcessSync"]
 
 
 class InProcessSync:
-    """``send(buckets, version)`` -> ``engine.update_weights(all tensors, version)``."""
+    """``send(buckets, version)`` -> ``engine.update_weights(all tensors, version)``.
 
-    def __init__(self, engine: InferenceEngine) -> None:
+    ``verify``: hash the engine's weights after each sync and compare (`tandem.sync.verify`).
+    ``dequantize``: the `QuantConfig` of a quantize-on-send wrapper around this sender
+    (`tandem.sync.quantize.QuantizedSender`): the engine receives dequantized weights.
+    """
+
+    def __init__(self, engine: Any, *, verify: bool = False, dequantize: QuantConfig | None = None) -> None:
         self.engine = engine
+        self.verify = verify
+        self.applier = WeightApplier(engine, dequantize=dequantize)
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> dict[str, float]:
         t0 = time.perf_counter()
@@ -29,11 +42,13 @@ class InProcessSync:
         named = list(itertools.chain.from_iterable(buckets))
         nbytes = sum(t.numel() * t.element_size() for _, t in named)
         try:
-            self.engine.update_weights(named, version)
-        except Exception as e:
+            report = self.applier(named, version, verify=self.verify)
+        except SyncError as e:
             raise SyncError(f"in-process sync to version {version} failed: {e}") from e
-        dt = time.perf_counter() - t0
-        return {"sync/bytes": float(nbytes), "sync/seconds": dt, "sync/gbps": nbytes / max(dt, 1e-9) / 1e9}
+        except Exception as e:
+            raise SyncError(f"in-process sync to version {version} failed: {type(e).__name__}: {e}") from e
+        extra = check_reports(tensor_hashes(named), {"engine": report}, version) if self.verify else {}
+        return sync_metrics(nbytes, time.perf_counter() - t0, **extra)
 
     def close(self) -> None:
         pass

@@ -2,25 +2,44 @@
 
 The sender ``ray.put``s each flattened bucket (a numpy ``uint8`` array, so a same-node ``ray.get`` maps
 the shared-memory object instead of copying it) and calls each receiver actor's method with the
-object refs (wrapped in a list, so Ray does not resolve them early), the JSON headers and the version.
-The actor calls `receive_from_refs` with its engine's ``update_weights``; a receiver that raises or
-dies fails the sync with `SyncError` and leaves its engine on the previous version.
+object refs (wrapped in a list, so Ray does not resolve them early), the JSON headers, the version
+and the verify flag. The actor calls `receive_from_refs` with a `WeightApplier` around its engine:
+
+    @ray.remote
+    class EngineActor:
+        def __init__(self, config):
+            self.engine = TorchEngine(config)
+            self.applier = WeightApplier(self.engine)
+
+        def receive_weights(self, refs, headers, version, verify=False):
+            return receive_from_refs(refs, headers, version, self.applier, verify=verify)
+
+Buckets are checked (checksums) before anything is applied; a receiver that raises or dies fails the
+sync with `SyncError` and leaves its engine on the previous version.
 """
 
 from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
-from tandem.sync.base import BucketHeader, SyncError, flatten_bucket, unflatten_bucket
+from tandem.sync.apply import call_apply
+from tandem.sync.base import (
+    ApplyFn,
+    BucketHeader,
+    SyncError,
+    flatten_bucket,
+    sync_metrics,
+    tensor_hashes,
+    unflatten_bucket,
+)
+from tandem.sync.verify import check_reports
 
 __all__ = ["RaySender", "receive_from_refs"]
-
-ApplyFn = Callable[[list[tuple[str, torch.Tensor]], int], None]
 
 
 def _ray():
@@ -32,36 +51,49 @@ def _ray():
 
 
 class RaySender:
-    def __init__(self, receivers: Sequence[Any], *, method: str = "receive_weights") -> None:
+    """Trainer side: ``send`` puts every bucket in the object store, then calls every receiver."""
+
+    def __init__(self, receivers: Sequence[Any], *, method: str = "receive_weights", verify: bool = False) -> None:
         self.ray = _ray()
         if not receivers:
             raise ValueError("RaySender needs at least one receiver actor")
-        self.receivers, self.method = list(receivers), method
+        self.receivers, self.method, self.verify = list(receivers), method, verify
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> dict[str, float]:
         t0, nbytes = time.perf_counter(), 0
-        refs, headers = [], []
-        for bucket in buckets:
-            flat, header = flatten_bucket(bucket)
-            refs.append(self.ray.put(flat.numpy()))
-            headers.append(header.to_json())
-            nbytes += flat.numel()
-        calls = [getattr(r, self.method).remote([refs], headers, version) for r in self.receivers]
+        refs, headers, sent = [], [], {}
         try:
-            self.ray.get(calls)
-        except Exception as e:  # RayActorError, RayTaskError(...)
+            for bucket in buckets:
+                flat, header = flatten_bucket(bucket)
+                refs.append(self.ray.put(flat.numpy()))
+                headers.append(header.to_json())
+                nbytes += flat.numel()
+                if self.verify:
+                    sent.update(tensor_hashes(bucket))
+                del flat  # the object store holds the bytes now
+            calls = [getattr(r, self.method).remote([refs], headers, version, self.verify) for r in self.receivers]
+            results = self.ray.get(calls)
+        except Exception as e:  # RayActorError, RayTaskError(...), ObjectStoreFullError
             raise SyncError(f"ray sync to version {version} failed: {type(e).__name__}: {e}") from e
         finally:
             del refs
-        dt = time.perf_counter() - t0
-        return {"sync/bytes": float(nbytes), "sync/seconds": dt, "sync/gbps": nbytes / max(dt, 1e-9) / 1e9}
+        extra = {}
+        if self.verify:
+            reports = {f"receiver {i}": (res or {}).get("report") for i, res in enumerate(results)}
+            extra = check_reports(sent, reports, version)
+        return sync_metrics(nbytes, time.perf_counter() - t0, **extra)
 
     def close(self) -> None:
         pass
 
 
-def receive_from_refs(wrapped_refs: list[list[Any]], headers: list[str], version: int, apply: ApplyFn) -> int:
-    """Receiver side, inside an actor: fetch (zero-copy), verify and apply one update."""
+def receive_from_refs(
+    wrapped_refs: list[list[Any]], headers: list[str], version: int, apply: ApplyFn, verify: bool = False
+) -> dict[str, Any]:
+    """Receiver side, inside an actor: fetch (zero-copy), check and apply one whole update.
+
+    Returns ``{"version": version, "report": verify report or None}``.
+    """
     ray = _ray()
     arrays = ray.get(wrapped_refs[0])
     named = []
@@ -69,5 +101,5 @@ def receive_from_refs(wrapped_refs: list[list[Any]], headers: list[str], version
         warnings.simplefilter("ignore", UserWarning)  # read-only shared memory: we only read it
         for arr, h in zip(arrays, headers, strict=True):
             named += list(unflatten_bucket(torch.from_numpy(arr), BucketHeader.from_json(h)))
-    apply(named, version)
-    return version
+    report = call_apply(apply, named, version, verify=verify)
+    return {"version": version, "report": report}
