@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from tandem.core.advantages import AdvantageConfig
+from tandem.core.contracts import ContractConfig
 from tandem.core.filters import FilterConfig
 from tandem.core.kl import KLConfig
 from tandem.core.losses import PolicyLossConfig, ValueLossConfig, build_loss_fn, build_value_loss_fn
@@ -31,8 +32,12 @@ class AlgorithmConfig:
     off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     filters: FilterConfig = field(default_factory=FilterConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    contract: ContractConfig = field(default_factory=ContractConfig)  # rollout/train log-prob relation
+    mini_batches: int = 1  # optimizer steps per rollout batch (the batch split by groups)
 
     def __post_init__(self) -> None:
+        if self.mini_batches < 1:
+            raise ValueError(f"mini_batches={self.mini_batches} must be >= 1")
         if self.filters.drop_zero_std_groups and self.advantage.estimator in (
             "reinforce_pp",
             "gae",

@@ -30,7 +30,8 @@ def fsdp_config(cfg: RunConfig):
     from tandem.engines.training.fsdp.config import CriticConfig, FSDPConfig, RefConfig
 
     fc = cfg.trainer.fsdp or FSDPConfig(model=cfg.model)
-    changes: dict[str, Any] = {"seed": cfg.run.seed}
+    # The trainer scores tokens with the rollout's temperature: the shared log-prob convention.
+    changes: dict[str, Any] = {"seed": cfg.run.seed, "temperature": cfg.rollout.sampling.temperature or 1.0}
     if fc.model is None:
         changes["model"] = cfg.model
     if cfg.algorithm.needs_ref and fc.ref is None:

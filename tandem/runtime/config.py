@@ -63,6 +63,7 @@ class RolloutConfig:
     max_rounds: int = 1  # > 1: over-sample until prompts_per_step groups survive the filters
     dump: bool = False  # write each step's samples to RUN_DIR/rollouts/step_<k>.jsonl
     load_dump: str | None = None  # debug: train on the dumped samples of that folder, no generation
+    recompute_log_probs: bool = False  # replace rollout log-probs by an engine prefill pass (engine.score)
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:

@@ -28,6 +28,7 @@ import torch
 from tandem.config import save_config, to_dict
 from tandem.core.advantages import compute_advantages
 from tandem.core.batch import TrainBatch
+from tandem.core.contracts import CheckedLoss, ContractCheck
 from tandem.core.filters import filter_samples
 from tandem.core.sample import Sample, SampleStatus
 from tandem.models import load_tokenizer
@@ -37,6 +38,7 @@ from tandem.runtime import builders
 from tandem.runtime.checkpoint import latest_checkpoint, load_run_state, save_run_checkpoint
 from tandem.runtime.config import RunConfig
 from tandem.runtime.metrics import rollout_metrics, staleness_metrics
+from tandem.runtime.policy import merge_mini_batch_metrics, mini_batch_rows, old_log_prob_source, run_contract
 from tandem.runtime.progress import Progress
 from tandem.runtime.tracking import Tracker
 from tandem.sync.inprocess import InProcessSync
@@ -76,6 +78,11 @@ class Run:
         self.engine = builders.build_inference_engine(cfg)
         self.sync = InProcessSync(self.engine)
         self.kl_ctl = cfg.algorithm.kl_controller()
+        self.contract = run_contract(cfg, self.trainer, self.engine)
+        self.contract_check = ContractCheck(contract=self.contract, on_violation=cfg.algorithm.contract.on_violation)
+        self.old_source = old_log_prob_source(cfg, self.contract)
+        log.info("log-prob contract: %s (%s); old log-probs: %s", self.contract.relation, self.contract.note,
+                 self.old_source)
         self.step, self.version = 0, 0
         resume_step = None
         if resume:
@@ -106,6 +113,7 @@ class Run:
         kept: list[Sample] = []
         everything: list[Sample] = []
         filter_metrics: dict[str, float] = {}
+        extra: dict[str, float] = {}
         gen_s = reward_s = 0.0
         for round_ in range(cfg.max_rounds):
             need = cfg.prompts_per_step - len({s.group_index for s in kept})
@@ -121,6 +129,8 @@ class Run:
                 config=cfg,
             )
             gen_s += time.perf_counter() - t0
+            if cfg.recompute_log_probs:
+                self._recompute_log_probs(samples, extra)
             self.progress.phase(step, "reward")
             t0 = time.perf_counter()
             scorable = [s for s in samples if s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED)]
@@ -132,12 +142,28 @@ class Run:
             kept += ok
             for k, v in fm.items():
                 filter_metrics[k] = filter_metrics.get(k, 0.0) + v
-        metrics = rollout_metrics(everything, seconds=gen_s) | filter_metrics
+        metrics = rollout_metrics(everything, seconds=gen_s) | filter_metrics | extra
         metrics |= {"time/reward_s": reward_s, "rollout/rounds": float(round_ + 1),
                     "rollout/groups_kept": float(len({s.group_index for s in kept}))}
         if cfg.dump:
             self._dump(step, everything)
         return kept, metrics
+
+    def _recompute_log_probs(self, samples: Sequence[Sample], metrics: dict[str, float]) -> None:
+        """Replace decode-time rollout log-probs by a prefill pass of the engine (``engine.score``)."""
+        live = [s for s in samples if s.response_length > 0]
+        if not live:
+            return
+        t0 = time.perf_counter()
+        scored = self.engine.score([(s.tokens, s.prompt_length) for s in live],
+                                   temperature=self.cfg.rollout.sampling.temperature or 1.0)
+        diff = n = 0.0
+        for s, lp in zip(live, scored, strict=True):
+            diff += sum(abs(a - b) for a, b in zip(lp, s.rollout_log_probs, strict=True))
+            n += len(lp)
+            s.rollout_log_probs = lp
+        metrics["rollout/recompute_abs_diff_mean"] = diff / max(n, 1)
+        metrics["time/recompute_logprob_s"] = metrics.get("time/recompute_logprob_s", 0.0) + time.perf_counter() - t0
 
     def train_on(self, step: int, samples: Sequence[Sample]) -> dict[str, float]:
         """Advantages, reference log-probs / values, one optimizer step."""
@@ -153,11 +179,30 @@ class Run:
         if alg.needs_critic:
             batch = batch.replace(values=self.trainer.forward_logprobs(batch, model="critic").values)
         logprob_s = time.perf_counter() - t0
+        metrics: dict[str, float] = {}
+        if self.old_source == "rollout":  # exact contract: the rollout log-probs are the trainer's
+            batch = batch.replace(old_log_probs=batch.rollout_log_probs)
+        elif self.old_source == "recompute":
+            t1 = time.perf_counter()
+            old = self.trainer.forward_logprobs(batch).log_probs
+            metrics["time/old_logprob_s"] = time.perf_counter() - t1
+            if self.cfg.runtime.mode == "sync":  # same weights on both sides: the contract applies
+                metrics |= self.contract_check.check(old, batch)
+            batch = batch.replace(old_log_probs=old)
         kl_coef = self.kl_ctl.coef_at(step)
-        batch, metrics = compute_advantages(batch, alg.advantage, kl=alg.kl, kl_coef=kl_coef)
+        batch, adv_metrics = compute_advantages(batch, alg.advantage, kl=alg.kl, kl_coef=kl_coef)
+        metrics |= adv_metrics
         self.progress.phase(step, "train")
         t0 = time.perf_counter()
-        metrics |= self.trainer.train_step(batch, alg.build_loss_fn(kl_coef=kl_coef))
+        loss_fn = alg.build_loss_fn(kl_coef=kl_coef)
+        parts = []
+        for i, rows in enumerate(mini_batch_rows(batch, alg.mini_batches)):
+            mb = batch if alg.mini_batches == 1 else batch.select(rows)
+            # the first update sees pre-update log-probs: that is where the contract is checked
+            check = i == 0 and self.old_source != "recompute" and self.cfg.runtime.mode == "sync"
+            fn = CheckedLoss(loss_fn, self.contract_check) if check else loss_fn
+            parts.append(self.trainer.train_step(mb, fn))
+        metrics |= merge_mini_batch_metrics(parts)
         if alg.needs_critic:
             critic = self.trainer.train_step(batch, alg.build_value_loss_fn(), model="critic")
             metrics |= {f"critic/{k.split('/', 1)[-1]}": v for k, v in critic.items()}

@@ -25,3 +25,10 @@ def sometimes_hangs(sample: Sample) -> float:
     if sample.response_tokens and sample.response_tokens[0] % 13 == 0:
         time.sleep(5)
     return even_tokens(sample)
+
+
+def pg_loss(output, batch, scale):
+    """A minimal policy-gradient `LossFn` (token mean), as a user plugin would write one."""
+    mask = batch.loss_mask
+    loss = -(output.log_probs * batch.advantages * mask).sum() / scale.num_tokens
+    return loss, {"loss/pg": float(loss)}
