@@ -1,0 +1,93 @@
+"""Step time of the exact true-on-policy contract vs the default mode, in one run (SmolLM2-135M, CPU).
+
+Three GRPO configurations on the same prompts, seeds and steps:
+
+* ``default``: Tandem's default: stock (fast) kernels on both sides; old log-probs are the trainer's
+  pre-update log-probs of the training forward itself (one optimizer step per batch), so no extra pass;
+* ``recompute``: as default plus the separate old-log-prob trainer pass most peers run before the
+  update (the pass an exact contract makes unnecessary); its time is ``time/old_logprob_s``;
+* ``exact``: deterministic (batch-invariant) numerics on the engine and the trainer, the exact
+  contract checked every step, and the rollout log-probs used as old log-probs (no extra pass).
+
+Prints the median seconds per step of each and ends with ``RESULT {json}`` including
+``exact_vs_default_step_time`` (aim <= 1.3), ``exact_vs_recompute_step_time`` and the measured
+train/rollout log-prob difference of each mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+
+from tandem.config import from_dict
+from tandem.runtime.config import RunConfig
+from tandem.runtime.loop import Run
+from tandem.runtime.tracking import read_metrics
+
+MODES = {
+    "default": {},
+    "recompute": {"algorithm": {"contract": {"old_log_probs": "recompute"}}},
+    "exact": {"algorithm": {"contract": {"expect": "exact"}},
+              "trainer": {"fsdp": {"deterministic": True}}, "inference": {"torch": {"deterministic": True}}},
+}
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def run_mode(name: str, args, work: str) -> list[dict]:
+    base = {
+        "run": {"name": name, "steps": args.steps + args.warmup, "seed": 0, "save_every": 10_000},
+        "model": {"name": args.model},
+        "data": {"system_prompt": "You are a calculator. Answer with the number only."},
+        "rollout": {"prompts_per_step": args.prompts, "n_samples_per_prompt": args.group,
+                    "sampling": {"temperature": 1.0, "max_new_tokens": args.max_new_tokens}},
+        "reward": {"terms": [{"name": "number"}]},
+        "trainer": {"fsdp": {"micro_batch_tokens": 4096, "optimizer": {"lr": 1e-5}}},
+        "inference": {"torch": {}},
+        "tracking": {"progress": False},
+    }
+    cfg = from_dict(RunConfig, _merge(base, MODES[name]))
+    Run(cfg, os.path.join(work, name)).train()
+    return read_metrics(os.path.join(work, name))[args.warmup:]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    args = p.parse_args()
+    load = os.getloadavg()[0]
+    work = tempfile.mkdtemp(prefix="tandem-top-")
+    result: dict = {"model": args.model, "timed_steps": args.steps, "load_avg_start": round(load, 2)}
+    med = {}
+    for name in MODES:
+        rows = run_mode(name, args, work)
+        med[name] = statistics.median(r["time/step_s"] for r in rows)
+        diff = max(r["train_rollout_logprob_abs_diff/max"] for r in rows)
+        result[f"{name}_s_per_step"] = round(med[name], 3)
+        result[f"{name}_train_rollout_abs_diff_max"] = diff
+        if name == "recompute":
+            result["old_logprob_pass_s"] = round(statistics.median(r["time/old_logprob_s"] for r in rows), 3)
+        print(f"{name:10s} {med[name]:7.2f} s/step   max |train - rollout| log-prob = {diff:.3g}", flush=True)
+    result["exact_vs_default_step_time"] = round(med["exact"] / med["default"], 3)
+    result["exact_vs_recompute_step_time"] = round(med["exact"] / med["recompute"], 3)
+    result["load_avg_end"] = round(os.getloadavg()[0], 2)
+    print(f"exact / default = {result['exact_vs_default_step_time']:.2f}x, "
+          f"exact / recompute = {result['exact_vs_recompute_step_time']:.2f}x")
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
