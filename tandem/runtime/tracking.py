@@ -1,6 +1,7 @@
 """Metrics: JSONL always; TensorBoard, MLflow (local store) and W&B (offline) when enabled and installed.
 
-``metrics.jsonl`` holds one JSON object per step (``{"step": k, "time": ..., <metric>: float, ...}``),
+MLflow writes to ``RUN_DIR/mlflow.db`` (SQLite), TensorBoard to ``RUN_DIR/tensorboard``, W&B to
+``RUN_DIR/wandb`` (offline). ``metrics.jsonl`` holds one JSON object per step (``{"step": k, "time": ..., <metric>: float, ...}``),
 flushed as it is written, so a crash loses at most the step in flight. On resume, lines after the
 checkpoint's step are dropped so the file reads like one uninterrupted run.
 """
@@ -107,7 +108,10 @@ class _TensorBoard:
 class _MLflow:
     def __init__(self, run_dir: Path, project: str, name: str, config: dict) -> None:
         self.mlflow = _need("mlflow")
-        self.mlflow.set_tracking_uri((run_dir / "mlruns").resolve().as_uri())
+        # A local SQLite store in the run directory (MLflow's file store is deprecated).
+        self.mlflow.set_tracking_uri(f"sqlite:///{(run_dir / 'mlflow.db').resolve()}")
+        if self.mlflow.get_experiment_by_name(project) is None:
+            self.mlflow.create_experiment(project, artifact_location=(run_dir / "mlruns").resolve().as_uri())
         self.mlflow.set_experiment(project)
         self.mlflow.start_run(run_name=name)
         flat = {k: str(v)[:250] for k, v in _flatten(config).items()}
