@@ -93,7 +93,7 @@ def _load_rows(cfg: DataConfig, stats: dict[str, int]) -> list[dict[str, Any]]:
         try:
             import datasets
         except ImportError:
-            raise DataError(f"{src}: reading HF datasets needs `pip install datasets`") from None
+            raise DataError(f"{src}: reading HF datasets needs `pip install tandem-rl[data]`") from None
         ds = datasets.load_from_disk(src[3:])
         if isinstance(ds, datasets.DatasetDict):
             if cfg.split not in ds:
@@ -109,7 +109,7 @@ def _load_rows(cfg: DataConfig, stats: dict[str, int]) -> list[dict[str, Any]]:
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise DataError(f"{path}: reading Parquet needs `pip install pyarrow`") from None
+            raise DataError(f"{path}: reading Parquet needs `pip install tandem-rl[data]`") from None
         return pq.read_table(path).to_pylist()
     raise DataError(
         f"{path}: unsupported data format {path.suffix!r} (use .jsonl, .parquet, hf:, synthetic:)"

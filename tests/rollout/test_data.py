@@ -94,3 +94,21 @@ def test_missing_file_and_bad_config(tok):
         from_dict(DataConfig, {"source": "synthetic:chess"})
     with pytest.raises(ConfigError, match="overlong_prompt: 'cut' is not a valid choice"):
         from_dict(DataConfig, {"overlong_prompt": "cut"})
+
+
+def test_parquet_and_hf_datasets_sources(tmp_path, tok):
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    datasets = pytest.importorskip("datasets")
+    rows = [{"question": f"What is {i} + 1?", "answer": i + 1, "level": i % 3} for i in range(6)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    cfg = dict(prompt_key="question", label_key="answer", metadata_keys=["level"], shuffle=False)
+    src = DataSource(DataConfig(source=str(tmp_path / "d.parquet"), **cfg), tok)
+    assert [r.label for r in src.records] == [1, 2, 3, 4, 5, 6] and src.records[4].metadata == {"level": 1}
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(rows)}).save_to_disk(str(tmp_path / "hf"))
+    hf = DataSource(DataConfig(source=f"hf:{tmp_path / 'hf'}", **cfg), tok)
+    assert [r.prompt_token_ids for r in hf.records] == [r.prompt_token_ids for r in src.records]
+    with pytest.raises(DataError, match="no split 'test'"):
+        DataSource(DataConfig(source=f"hf:{tmp_path / 'hf'}", split="test", **cfg), tok)
+    with pytest.raises(DataError, match="record 0 has no prompt key 'prompt'"):
+        DataSource(DataConfig(source=str(tmp_path / "d.parquet")), tok)
