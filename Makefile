@@ -19,7 +19,7 @@ $(VENV)/.base-installed: pyproject.toml | $(VENV)/bin/python
 	touch $@
 
 $(VENV)/.dev-installed: pyproject.toml $(VENV)/.base-installed
-	$(PIP) install -q -e ".[dev,tracking,data]"
+	$(PIP) install -q -e ".[dev,tracking,data,megatron]"
 	touch $@
 
 DEMO_RECIPE ?= recipes/smollm2-135m/addition-grpo.yaml

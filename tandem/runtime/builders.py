@@ -64,13 +64,30 @@ def _run_context(cfg: RunConfig) -> int:
     return min(cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens, limit)
 
 
+def megatron_config(cfg: RunConfig):
+    from tandem.engines.training.megatron.config import MegatronConfig, MegatronRefConfig
+
+    mc = cfg.trainer.megatron or MegatronConfig(model=cfg.model)
+    if cfg.algorithm.needs_critic:
+        raise ValueError("trainer.engine=megatron has no critic; use trainer.engine=fsdp for PPO with a value model")
+    changes: dict[str, Any] = {"seed": cfg.run.seed, "temperature": cfg.rollout.sampling.temperature or 1.0}
+    if mc.model is None:
+        changes["model"] = cfg.model
+    if cfg.algorithm.needs_ref and mc.ref is None:
+        changes["ref"] = MegatronRefConfig()
+    return dataclasses.replace(mc, **changes)
+
+
 def build_training_engine(cfg: RunConfig):
-    if cfg.trainer.engine != "fsdp":
-        raise ValueError(f"trainer.engine={cfg.trainer.engine!r} is not available (choose: fsdp)")
+    schedule = cfg.algorithm.lr_schedule
+    lr_lambda = lambda step: lr_multiplier(step, schedule)  # noqa: E731
+    if cfg.trainer.engine == "megatron":
+        from tandem.engines.training.megatron import MegatronEngine
+
+        return MegatronEngine(megatron_config(cfg), lr_lambda=lr_lambda)
     from tandem.engines.training.fsdp import FSDPEngine
 
-    schedule = cfg.algorithm.lr_schedule
-    return FSDPEngine(fsdp_config(cfg), lr_lambda=lambda step: lr_multiplier(step, schedule))
+    return FSDPEngine(fsdp_config(cfg), lr_lambda=lr_lambda)
 
 
 def build_inference_engine(cfg: RunConfig):

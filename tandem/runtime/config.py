@@ -13,8 +13,10 @@ from typing import Literal
 from tandem.core.algorithm import AlgorithmConfig
 from tandem.engines.inference.torch.config import TorchEngineConfig
 from tandem.engines.training.fsdp.config import FSDPConfig
+from tandem.engines.training.megatron.config import MegatronConfig
 from tandem.models.registry import ModelConfig
 from tandem.rewards.hub import RewardConfig
+from tandem.rollout.agent import AgentConfig
 from tandem.rollout.data import DataConfig
 from tandem.rollout.generate import SamplingConfig
 from tandem.runtime.tracking import TrackingConfig
@@ -63,6 +65,7 @@ class RolloutConfig:
     max_rounds: int = 1  # > 1: over-sample until prompts_per_step groups survive the filters
     dump: bool = False  # write each step's samples to RUN_DIR/rollouts/step_<k>.jsonl
     load_dump: str | None = None  # debug: train on the dumped samples of that folder, no generation
+    agent: AgentConfig = field(default_factory=AgentConfig)  # multi_turn / agentic_tool_call settings
     recompute_log_probs: bool = False  # replace rollout log-probs by an engine prefill pass (engine.score)
 
     def __post_init__(self) -> None:
@@ -104,8 +107,9 @@ class RuntimeConfig:
 
 @dataclass(kw_only=True, slots=True)
 class TrainerSection:
-    engine: Literal["fsdp"] = "fsdp"
+    engine: Literal["fsdp", "megatron"] = "fsdp"
     fsdp: FSDPConfig | None = None  # its `model` defaults to the run's model
+    megatron: MegatronConfig | None = None  # likewise
 
 
 @dataclass(kw_only=True, slots=True)

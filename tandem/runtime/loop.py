@@ -125,7 +125,7 @@ class Run:
             samples = self.generate_fn(
                 self.engine, prompts, n=cfg.n_samples_per_prompt, sampling=cfg.sampling, tokenizer=self.tokenizer,
                 seed=self.cfg.run.seed + 7919 * round_, step=step, first_group=len(everything),
-                routed_experts=self.cfg.trainer.fsdp is not None and self.cfg.trainer.fsdp.routing_replay,
+                routed_experts=bool(getattr(self.trainer.config, "routing_replay", False)),
                 config=cfg,
             )
             gen_s += time.perf_counter() - t0
@@ -238,6 +238,7 @@ class Run:
             self.tracker.close()
             self.rewards.close()
             self.engine.close()
+            getattr(self.trainer, "close", lambda: None)()  # e.g. Megatron's process-wide state
         return {"steps": self.step, "wall_s": time.perf_counter() - t0, "run_dir": str(self.run_dir)}
 
     def _wake(self) -> None:

@@ -15,20 +15,20 @@ __all__ = ["merge_mini_batch_metrics", "mini_batch_rows", "old_log_prob_source",
 
 def run_contract(cfg: RunConfig, trainer, engine) -> Contract:
     """Resolve the run's true-on-policy contract from its settings (raises `ContractError`)."""
-    fsdp = trainer.config
+    tc = trainer.config  # FSDPConfig or MegatronConfig: read what both may have
     engine_cfg = engine.config
-    trainer_dtype = fsdp.parallel.param_dtype or fsdp.model.dtype
+    trainer_dtype = getattr(getattr(tc, "parallel", None), "param_dtype", None) or tc.model.dtype
     settings = RunSettings(
         trainer=cfg.trainer.engine,
         engine=cfg.inference.engine,
         moe=bool(engine.model.args.moe_layers),
         trainer_dtype=trainer_dtype,
         engine_dtype=engine_cfg.model.dtype,
-        trainer_deterministic=fsdp.deterministic,
+        trainer_deterministic=tc.deterministic,
         engine_deterministic=engine_cfg.deterministic,
-        routing_replay=fsdp.routing_replay,
-        lora=fsdp.lora is not None,
-        trainer_temperature=fsdp.temperature or 1.0,
+        routing_replay=getattr(tc, "routing_replay", False),
+        lora=getattr(tc, "lora", None) is not None,
+        trainer_temperature=tc.temperature or 1.0,
         engine_temperature=cfg.rollout.sampling.temperature or 1.0,
     )
     return resolve_contract(settings, cfg.algorithm.contract)

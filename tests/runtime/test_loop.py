@@ -148,3 +148,17 @@ def test_report_writes_plots(tmp_path):
     assert summary["steps"] == 2 and "reward.png" in summary["plots"]
     assert (tmp_path / "report" / "reward.png").stat().st_size > 1000
     assert (tmp_path / "report" / "summary.txt").read_text().startswith("steps: 2")
+
+
+def test_megatron_trainer_in_the_loop(tmp_path):
+    pytest.importorskip("megatron.core")
+    run = Run(_cfg("trainer.engine=megatron", "run.steps=2"), tmp_path)
+    assert run.contract.relation == "bounded"
+    before = _weights(run)
+    run.train()
+    rows = read_metrics(tmp_path)
+    assert len(rows) == 2 and all(r["train_rollout_logprob_abs_diff/mean"] < 1e-4 for r in rows)
+    after = _weights(run)
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    eng = _engine_weights(run)
+    assert all(torch.equal(eng[k], after[k]) for k in after)

@@ -1,0 +1,191 @@
+"""Micro-batches for a Megatron ``GPTModel`` stage and the schedule that runs them through the pipeline.
+
+**Layout.** Megatron's local attention cannot take packed (THD) sequences, so a micro-batch is padded:
+``input_ids [b, L]`` right-padded, with one causal mask ``[1, 1, L, L]`` (right padding needs no
+padding mask: a real token only attends to earlier, real, tokens). Only the ``M`` positions that
+predict response tokens reach the output layer: a forward pre-hook on ``output_layer`` gathers those
+hidden states, so prompt positions never produce vocabulary logits.
+
+**Schedule.** Megatron's own pipeline schedules allocate on CUDA (``torch.zeros(..., device="cuda")``,
+p2p buffers on ``torch.cuda.current_device()``, ``torch.cuda.synchronize()``), so the engine runs its own
+GPipe-style schedule on ``torch.distributed`` point-to-point ops: every stage runs all forwards
+(receiving activations from the previous stage, sending to the next), then all backwards in the same
+order (gradients flow back the same way). It is deadlock-free with blocking send/recv because each
+phase only sends in one direction. With one stage each micro-batch's backward follows its forward
+directly, so activations of one micro-batch at a time are alive.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from tandem.engines.training.common import MicroBatch
+
+__all__ = ["StageBatch", "StageLink", "gpipe", "pad_micro_batch", "stage_forward"]
+
+
+@dataclass(kw_only=True, slots=True)
+class StageBatch:
+    """A padded micro-batch as a Megatron stage consumes it."""
+
+    input_ids: torch.Tensor  # [b, L] int64
+    position_ids: torch.Tensor  # [b, L] int64
+    attention_mask: torch.Tensor  # [1, 1, L, L] bool, True = masked out
+    select: torch.Tensor  # [M] int64 into the flattened [b * L] positions
+    targets: torch.Tensor  # [M] int64
+    source: MicroBatch  # the unpadded micro-batch (scatter back to response space)
+
+
+def pad_micro_batch(
+    mb: MicroBatch, rows: int, length: int, pad_token_id: int, device: torch.device
+) -> StageBatch:
+    """``mb`` (padded layout) widened to ``[rows, length]``: extra rows/columns are pad tokens.
+
+    Extra columns sit after every real token and extra rows are never selected, so causality keeps
+    them from influencing anything that is scored.
+    """
+    b, width = mb.input_ids.shape
+    if rows < b or length < width:
+        raise ValueError(f"cannot pad a [{b}, {width}] micro-batch down to [{rows}, {length}]")
+    ids = torch.full((rows, length), pad_token_id, dtype=torch.long)
+    ids[:b, :width] = mb.input_ids
+    positions = torch.arange(length).expand(rows, length).contiguous()
+    select = (mb.select // width) * length + mb.select % width
+    mask = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)[None, None]
+    return StageBatch(
+        input_ids=ids.to(device),
+        position_ids=positions.to(device),
+        attention_mask=mask.to(device),
+        select=select.to(device),
+        targets=mb.targets.to(device),
+        source=mb,
+    )
+
+
+@contextlib.contextmanager
+def _select_rows(module, select: torch.Tensor) -> Iterator[None]:
+    """Feed the output layer only the hidden states at ``select`` (``[s, b, h]`` -> ``[M, 1, h]``)."""
+
+    def hook(_layer, args, kwargs):
+        hidden = args[0]
+        flat = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])
+        return (flat.index_select(0, select).unsqueeze(1), *args[1:]), kwargs
+
+    handle = module.output_layer.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def stage_forward(
+    module,
+    batch: StageBatch,
+    input_tensor: torch.Tensor | None,
+    *,
+    first: bool,
+    last: bool,
+    select_before_output: bool,
+) -> torch.Tensor:
+    """One stage's forward. Last stage: logits ``[M, V_local]`` at the selected positions; else ``[L, b, h]``.
+
+    ``select_before_output`` is False under sequence parallelism, where the output layer gathers the
+    sequence itself: the full logits are computed and the rows selected afterwards.
+    """
+    if not first:
+        module.set_input_tensor(input_tensor)
+    scope = _select_rows(module, batch.select) if last and select_before_output else contextlib.nullcontext()
+    with scope:
+        out = module(
+            input_ids=batch.input_ids if first else None,
+            position_ids=batch.position_ids,
+            attention_mask=batch.attention_mask,
+        )
+    if not last:
+        return out
+    if select_before_output:
+        return out.squeeze(0)  # [1, M, V_local] -> [M, V_local]
+    return out.reshape(-1, out.shape[-1]).index_select(0, batch.select)
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class StageLink:
+    """Blocking activation/gradient exchange with the neighbouring pipeline stages (same TP rank).
+
+    An activation travels after a header ``[d0, d1, d2, dtype index]``: micro-batches differ in shape,
+    and the dtype of a stage's output is whatever Megatron's last layer produced.
+    """
+
+    def __init__(self, pp_group, pp_rank: int, pp_size: int, device: torch.device) -> None:
+        self.device = device
+        self.prev = dist.get_global_rank(pp_group, pp_rank - 1) if pp_rank > 0 else None
+        self.next = dist.get_global_rank(pp_group, pp_rank + 1) if pp_rank < pp_size - 1 else None
+
+    def send_forward(self, t: torch.Tensor) -> None:
+        header = torch.tensor([*t.shape, _DTYPES.index(t.dtype)], dtype=torch.long, device=self.device)
+        dist.send(header, self.next)
+        dist.send(t.detach().contiguous(), self.next)
+
+    def recv_forward(self) -> torch.Tensor:
+        header = torch.empty(4, dtype=torch.long, device=self.device)
+        dist.recv(header, self.prev)
+        *shape, dtype = header.tolist()
+        t = torch.empty(tuple(shape), dtype=_DTYPES[dtype], device=self.device)
+        dist.recv(t, self.prev)
+        return t.requires_grad_()
+
+    def send_backward(self, grad: torch.Tensor) -> None:
+        dist.send(grad.contiguous(), self.prev)
+
+    def recv_backward(self, like: torch.Tensor) -> torch.Tensor:
+        grad = torch.empty_like(like)
+        dist.recv(grad, self.next)
+        return grad
+
+
+def gpipe(
+    num_micro_batches: int,
+    forward: Callable[[int, torch.Tensor | None], torch.Tensor],
+    loss: Callable[[int, torch.Tensor], torch.Tensor] | None,
+    link: StageLink | None,
+) -> None:
+    """Run ``forward`` (and, with ``loss``, backward) over the micro-batches of one step on this stage.
+
+    ``forward(k, input_tensor)`` returns the stage output; on the last stage ``loss(k, output)`` turns it
+    into the scalar to differentiate (it also records whatever the caller needs). ``link`` is None with
+    a single stage. ``loss=None`` runs forwards only (the last stage then calls nothing else).
+    """
+    first = link is None or link.prev is None
+    last = link is None or link.next is None
+    if link is None:  # one stage: forward and backward back to back
+        for k in range(num_micro_batches):
+            out = forward(k, None)
+            if loss is not None:
+                loss(k, out).backward()
+        return
+    kept: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+    for k in range(num_micro_batches):
+        inp = None if first else link.recv_forward()
+        out = forward(k, inp)
+        if last:
+            out = loss(k, out) if loss is not None else out
+        else:
+            link.send_forward(out)
+        if loss is not None:
+            kept.append((inp, out))
+    if loss is None:
+        return
+    for inp, out in kept:
+        if last:
+            out.backward()
+        else:
+            torch.autograd.backward(out, link.recv_backward(out))
+        if not first:
+            link.send_backward(inp.grad if inp.grad is not None else torch.zeros_like(inp))

@@ -1,0 +1,142 @@
+"""The Megatron engine on 2 gloo ranks against one process on the whole batch (fp32).
+
+One spawn runs tensor parallelism (TP 2, untied Qwen2 and tied Llama), pipeline parallelism (PP 2),
+data parallelism (plain and with the ZeRO-sharded optimizer), expert parallelism (EP 2 on the tiny
+MoE), two checkpoint resumes and a NaN on one rank. The parent runs each model on one rank (TP 1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip(
+    "megatron.core", reason="megatron-core is not installed (pip install 'tandem-rl[megatron]')"
+)
+
+from tandem.engines.training.megatron import MegatronEngine  # noqa: E402
+
+from ..training.helpers import make_batch, max_abs_diff, run_workers, sync_weights, token_mean_pg  # noqa: E402
+from . import workers  # noqa: E402
+
+pytestmark = pytest.mark.dist
+KEYS = ("train/loss", "train/grad_norm", "pg/loss", "pg/logp_mean", "pg/logp/min")
+
+
+@pytest.fixture(scope="module")
+def spawn_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("megatron-dist")
+    run_workers(workers.all_layouts, 2, str(out))
+    return out
+
+
+@pytest.fixture(scope="module")
+def spawned(spawn_dir):
+    return [torch.load(spawn_dir / f"layouts_rank{r}.pt", weights_only=False) for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    """The same two steps (`workers.two_steps`) on one rank, per model; computed once."""
+    cache: dict[str, dict] = {}
+
+    def run(model: str, dtype: str) -> dict:
+        if (model, dtype) not in cache:
+            engine = MegatronEngine(workers.config(model, dtype=dtype))
+            try:
+                cache[model, dtype] = workers.two_steps(engine)
+            finally:
+                engine.close()
+        return cache[model, dtype]
+
+    return run
+
+
+@pytest.mark.parametrize("case", list(workers.CASES))
+def test_parallel_step_equals_single_process(spawned, single_process, case):
+    model, parallel = workers.CASES[case]
+    ref = single_process(model, parallel.get("dtype", "float32"))
+    for rank in spawned:
+        got = rank[case]
+        if case.startswith(("dp2", "ep2")):
+            assert got["dp_size"] == 2 and len(got["rows"]) < 8  # each replica trained on half the rows
+        else:
+            assert got["dp_size"] == 1 and got["rows"] == list(range(8))
+        for mine, want in zip(got["metrics"], ref["metrics"], strict=True):
+            for key in KEYS:  # O(10) values summed in another order: relative tolerance
+                assert abs(mine[key] - want[key]) < 1e-6 * max(1.0, abs(want[key])), (
+                    case,
+                    key,
+                    mine[key],
+                    want[key],
+                )
+            assert mine["train/skipped_step"] == 0.0
+        assert max_abs_diff(got["weights"], ref["weights"]) < 1e-6, case
+        rows = got["rows"]
+        width = got["logp"].shape[1]
+        assert (got["logp"] - ref["logp"][rows, :width]).abs().max() < 1e-5, case
+        assert (got["entropy"] - ref["entropy"][rows, :width]).abs().max() < 1e-5, case
+
+
+def test_every_rank_gets_the_same_full_hf_weights(spawned):
+    for case in workers.CASES:
+        assert max_abs_diff(spawned[0][case]["weights"], spawned[1][case]["weights"]) == 0.0, case
+
+
+@pytest.mark.parametrize("case", workers.RESUMED)
+def test_resume_is_bit_exact(spawned, case):
+    for rank in spawned:
+        r = rank[f"resume-{case}"]
+        assert r["loaded"]["step"] == 2
+        assert max_abs_diff(r["loaded"]["weights"], r["saved"]) == 0.0
+        untimed = [
+            [{k: v for k, v in m.items() if not k.endswith(("tokens_per_s", "step_time_s"))} for m in tail]
+            for tail in (r["resumed_tail"], r["straight_tail"])
+        ]
+        assert untimed[0] == untimed[1]  # losses, grad norms, learning rates (the schedule resumed)
+        assert max_abs_diff(r["resumed_final"], r["straight_final"]) == 0.0
+
+
+def test_nan_on_one_rank_skips_the_step_everywhere(spawned):
+    for rank in spawned:
+        nan = rank["nan"]
+        assert nan["metrics"]["train/skipped_step"] == 1.0 and math.isnan(nan["metrics"]["train/loss"])
+        assert max_abs_diff(nan["after"], nan["before"]) == 0.0
+
+
+def test_model_parallel_peers_must_get_the_same_rows(spawned):
+    for rank in spawned:
+        assert "peers were given different batches" in rank["peer_mismatch"]
+
+
+def test_layouts_the_cpu_cannot_run_say_why(spawned):
+    for rank in spawned:
+        errors = rank["build_errors"]
+        assert "needs the TransformerEngine layer spec" in errors["sequence-parallel-on-cpu"]
+        assert (
+            "a MoE model with tensor_parallel=2 needs sequence_parallel=True" in errors["moe-tp2-without-sp"]
+        )
+
+
+def test_resume_needs_the_same_model_parallel_layout(spawn_dir, spawned):
+    engine = MegatronEngine(workers.config("tiny-qwen2"))
+    try:
+        with pytest.raises(
+            ValueError, match=r"saved with parallel layout \{'tensor_parallel': 2.*this engine runs"
+        ):
+            engine.load(str(spawn_dir / "ckpt-tp2-qwen2"))
+    finally:
+        engine.close()
+
+
+def test_tensor_parallel_moves_weights_like_one_rank(spawned):
+    """A sanity check that the comparison above is not vacuous: the steps changed the weights."""
+    engine = MegatronEngine(workers.config("tiny-qwen2"))
+    try:
+        initial = sync_weights(engine)
+        engine.train_step(make_batch(seed=0), token_mean_pg)
+    finally:
+        engine.close()
+    assert max_abs_diff(spawned[0]["tp2-qwen2"]["weights"], initial) > 1e-4

@@ -1,0 +1,135 @@
+"""Worker functions of the Megatron multi-process tests (spawned by `helpers.run_workers`, gloo, world size 2).
+
+One spawn runs every parallel layout in turn (each engine is closed before the next layout is set up)
+and writes what the parent compares into ``out_dir/<name>_rank<r>.pt``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tandem.engines.training.megatron import (
+    MegatronConfig,
+    MegatronEngine,
+    MegatronParallelConfig,
+    OptimizerConfig,
+)
+from tandem.models import ModelConfig
+
+from ..training.helpers import NaNOnCall, make_batch, sync_weights, token_mean_pg
+
+OPT = OptimizerConfig(lr=1e-3, eps=1e-4, grad_clip=1.0, weight_decay=0.01)  # eps: see test_fsdp_engine
+
+# name -> (model, parallel settings). Data-parallel cases split the rows, model-parallel ones share them.
+CASES: dict[str, tuple[str, dict]] = {
+    "tp2-qwen2": ("tiny-qwen2", {"tensor_parallel": 2}),
+    "tp2-llama-tied": ("tiny-llama", {"tensor_parallel": 2}),
+    "pp2-qwen3": ("tiny-qwen3", {"pipeline_parallel": 2}),
+    "pp2-llama-tied": ("tiny-llama", {"pipeline_parallel": 2}),
+    "pp2-qwen3-bf16": ("tiny-qwen3", {"pipeline_parallel": 2, "dtype": "bfloat16"}),
+    "dp2-qwen3": ("tiny-qwen3", {}),
+    "dp2-zero-qwen3": ("tiny-qwen3", {"distributed_optimizer": True}),
+    "ep2-qwen3-moe": ("tiny-qwen3-moe", {"expert_parallel": 2}),
+}
+RESUMED = ("tp2-qwen2", "dp2-zero-qwen3")
+
+
+def config(model: str, dtype: str = "float32", **parallel) -> MegatronConfig:
+    return MegatronConfig(
+        model=ModelConfig(name=model, dtype=dtype),
+        parallel=MegatronParallelConfig(**parallel),
+        optimizer=OPT,
+        micro_batch_tokens=20,  # several micro-batches per step
+        vocab_divisible_by=96,  # 512 pads to 576 (TP 1) / 768 (TP 2): padded vocabulary columns exist
+    )
+
+
+def two_steps(engine: MegatronEngine) -> dict:
+    """Metrics of two steps, the weights after them and the log-probs of this rank's rows."""
+    first, second = make_batch(seed=0), make_batch(seed=1)
+    rows = engine.local_rows(first)
+    m1 = engine.train_step(first.select(rows), token_mean_pg)
+    m2 = engine.train_step(second.select(engine.local_rows(second)), token_mean_pg)
+    logp = engine.forward_logprobs(first.select(rows), with_entropy=True)
+    return {
+        "metrics": [m1, m2],
+        "weights": sync_weights(engine),
+        "rows": rows,
+        "logp": logp.log_probs,
+        "entropy": logp.entropy,
+    }
+
+
+def resume(model: str, parallel: dict, ckpt_dir: Path) -> dict:
+    """Save after two steps, train two more; a fresh engine loads the checkpoint and trains the same two."""
+    lr_lambda = lambda step: 1.0 / (1 + step)  # noqa: E731
+    tail = [make_batch(seed=s) for s in (2, 3)]
+    straight = MegatronEngine(config(model, **parallel), lr_lambda=lr_lambda)
+    for seed in (0, 1):
+        batch = make_batch(seed=seed)
+        straight.train_step(batch.select(straight.local_rows(batch)), token_mean_pg)
+    straight.save(str(ckpt_dir))
+    saved = sync_weights(straight)
+    straight_tail = [straight.train_step(b.select(straight.local_rows(b)), token_mean_pg) for b in tail]
+    straight_final = sync_weights(straight)
+    straight.close()
+    resumed = MegatronEngine(config(model, **parallel), lr_lambda=lr_lambda)
+    resumed.load(str(ckpt_dir))
+    loaded = {"weights": sync_weights(resumed), "step": resumed.step}
+    resumed_tail = [resumed.train_step(b.select(resumed.local_rows(b)), token_mean_pg) for b in tail]
+    out = {
+        "saved": saved,
+        "loaded": loaded,
+        "straight_tail": straight_tail,
+        "resumed_tail": resumed_tail,
+        "straight_final": straight_final,
+        "resumed_final": sync_weights(resumed),
+    }
+    resumed.close()
+    return out
+
+
+def nan_on_one_rank(rank: int) -> dict:
+    engine = MegatronEngine(config("tiny-qwen3"))
+    batch = make_batch()
+    local = batch.select(engine.local_rows(batch))
+    engine.train_step(local, token_mean_pg)
+    before = sync_weights(engine)
+    metrics = engine.train_step(local, NaNOnCall(k=0) if rank == 1 else token_mean_pg)
+    out = {"before": before, "after": sync_weights(engine), "metrics": metrics}
+    engine.close()
+    return out
+
+
+def all_layouts(rank: int, world: int, out_dir: str) -> None:
+    torch.manual_seed(0)
+    results: dict = {}
+    for name, (model, parallel) in CASES.items():
+        engine = MegatronEngine(config(model, **parallel))
+        results[name] = two_steps(engine)
+        results[name]["dp_size"] = engine.dp_size
+        engine.close()
+    for name in RESUMED:
+        model, parallel = CASES[name]
+        results[f"resume-{name}"] = resume(model, parallel, Path(out_dir) / f"ckpt-{name}")
+    results["nan"] = nan_on_one_rank(rank)
+    engine = MegatronEngine(config("tiny-qwen3", tensor_parallel=2))
+    try:  # TP peers must be handed the same rows
+        engine.forward_logprobs(make_batch(seed=rank))
+        results["peer_mismatch"] = None
+    except ValueError as e:
+        results["peer_mismatch"] = str(e)
+    engine.close()
+    results["build_errors"] = {}
+    for name, (model, parallel) in {
+        "sequence-parallel-on-cpu": ("tiny-qwen3", {"tensor_parallel": 2, "sequence_parallel": True}),
+        "moe-tp2-without-sp": ("tiny-qwen3-moe", {"tensor_parallel": 2}),
+    }.items():
+        try:
+            MegatronEngine(config(model, **parallel)).close()
+            results["build_errors"][name] = None
+        except ValueError as e:
+            results["build_errors"][name] = str(e)
+    torch.save(results, Path(out_dir) / f"layouts_rank{rank}.pt")
