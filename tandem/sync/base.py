@@ -199,8 +199,14 @@ def flatten_bucket(
     sizes, offsets, total = _layout(bucket)
     device = out.device if out is not None else torch.device("cpu")
     flat = out.get(slot, total) if out is not None else torch.empty(total, dtype=torch.uint8, device=device)
+    # On CPU the copies go through numpy: a single-threaded memcpy that releases the GIL. torch's
+    # copy_ would use every OpenMP thread, and next to a transfer in flight (gloo's threads, the
+    # receiving process) libgomp's spinning threads made flattening 10-30x slower (measured).
+    host = flat.numpy() if flat.device.type == "cpu" else None
     for (_, t), o, n in zip(bucket, offsets, sizes, strict=True):
-        if n:
+        if n and host is not None:
+            np.copyto(host[o : o + n], _byte_view(t))
+        elif n:
             flat[o : o + n].copy_(t.detach().reshape(-1).view(torch.uint8))
         pad_end = o + (-(-n // _ALIGN) * _ALIGN)
         if pad_end > o + n:

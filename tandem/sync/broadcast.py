@@ -62,9 +62,11 @@ MAGIC = 0x54414E44  # "TAND"
 COMMIT, ABORT = -1, -2
 SESSION_KEY = "tandem-sync/session"  # "<sender token>:<generation>", the group to join
 CLOSED_KEY = "tandem-sync/closed"
-_POLL_S = 0.001  # sleep between completion checks of a collective
-_ABORT_EVERY = 50  # check the store's abort key every this many polls
-_IDLE_POLL_S = 0.02  # sleep between checks for an announcement
+_POLL_S = 0.001  # NCCL: sleep between completion checks of a collective
+_ABORT_EVERY = 50  # NCCL: check the store's abort key every this many polls
+_ABORT_CHECK_S = 0.1  # gloo: check the store's abort key this often while waiting on a collective
+_IDLE_POLL_S = 0.05  # sleep between checks for a group to join (or close acknowledgements)
+_IDLE_WAIT_S = 0.5  # an idle receiver's blocking wait for the next announcement, per slice
 ApplyFn = Callable[..., Any]
 
 
@@ -248,10 +250,15 @@ class BroadcastSender:
         self._broken.append(group)
         self._group = None
 
-    def close(self) -> None:
-        """Tell receivers that no more updates come (their `receive` returns None)."""
+    def close(self, wait_s: float = 5.0) -> None:
+        """Tell receivers that no more updates come (their `receive` returns None); wait up to
+        ``wait_s`` for each to acknowledge, so none mistakes the store's shutdown for a crash."""
         try:
             self.store.set(CLOSED_KEY, "1")
+            acks = [f"{CLOSED_KEY}/{r}" for r in range(1, self.num_receivers + 1)]
+            deadline = time.monotonic() + wait_s
+            while not self.store.check(acks) and time.monotonic() < deadline:
+                time.sleep(_IDLE_POLL_S)
         except Exception:  # noqa: BLE001
             log.warning("could not post the sync sender's close")
         self._group = None
@@ -284,20 +291,27 @@ class BroadcastReceiver:
         self.rank, self.size, self.timeout_s = rank, num_receivers + 1, timeout_s
         self.host, self.port = host, port
         self.device = torch.device(device)
+        self.stop_requested = False  # set by `EngineReceiver.stop`: idle waits return None
         self.store = self._store()
         self._group: _Group | None = None
         self._broken: list[_Group] = []
         self._seen_session = ""
         self._pool = BufferPool(self.device)
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tandem-sync-hash")
-        self.stop_requested = False  # set by `EngineReceiver.stop`: idle waits return None
         self.corrupt_next_bucket = False  # fault injection for tests: flip a byte after receiving
 
     def _store(self) -> dist.TCPStore:
-        try:
-            return dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=self.timeout_s))
-        except Exception as e:
-            raise SyncError(f"cannot reach the sync sender's store at {self.host}:{self.port}: {e}") from e
+        """A client of the sender's store, retried in short attempts (so a stop request is heard)."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            attempt = min(2.0, max(0.1, deadline - time.monotonic()))
+            try:
+                store = dist.TCPStore(self.host, self.port, is_master=False, timeout=timedelta(seconds=attempt))
+                store.set_timeout(timedelta(seconds=self.timeout_s))
+                return store
+            except Exception as e:
+                if self.stop_requested or time.monotonic() >= deadline:
+                    raise SyncError(f"cannot reach the sync sender's store at {self.host}:{self.port}: {e}") from e
 
     def _connect(self) -> _Group | None:
         """The live group, or join the sender's newest one (None: the sender closed, or stop)."""
@@ -325,40 +339,62 @@ class BroadcastReceiver:
             return None
         try:
             if self.store.check([CLOSED_KEY]):
+                self.store.set(f"{CLOSED_KEY}/{self.rank}", "1")
                 return None
             return self.store.check(keys)
         except Exception as e:  # the sender's process (which hosts the store) went away
+            if self.stop_requested:
+                return None
             log.warning("lost the sync sender's store (%s); reconnecting", e)
             self._drop_group()
-            time.sleep(0.5)
             self.store = self._store()
             self._seen_session = ""
             return False
 
     def _wait_announce(self, group: _Group) -> dict | None:
+        """The next update's announcement (None: the sender closed, or a stop was requested).
+
+        The store serves a blocking ``wait``, so an idle receiver costs the sender's store one request
+        per ``_IDLE_WAIT_S`` (not a poll every few ms) and wakes up as soon as the key is set.
+        """
         key = f"announce/{group.seq + 1}"
         while True:
-            state = self._poll_store([SESSION_KEY])
-            if state is None:
+            try:
+                group.store.wait([key], timedelta(seconds=_IDLE_WAIT_S))
+                return json.loads(group.store.get(key).decode())
+            except RuntimeError:  # timed out (or the store went away: _poll_store finds out)
+                pass
+            if self._poll_store([SESSION_KEY]) is None:
                 return None
             if self._group is not group:  # the store was reconnected
                 raise SyncError("the sync sender restarted; rejoining")
-            if group.store.check([key]):
-                return json.loads(group.store.get(key).decode())
             if self.store.get(SESSION_KEY).decode() != group.session:
                 self._drop_group()
                 raise SyncError("the sync sender re-formed the group; rejoining")
-            time.sleep(_IDLE_POLL_S)
 
     def _wait(self, group: _Group, work) -> None:
-        """Wait for a collective, giving up if the sender abandons the group meanwhile."""
-        polls = 0
-        while not work.is_completed():
-            time.sleep(_POLL_S)
-            polls += 1
-            if polls % _ABORT_EVERY == 0 and group.store.check(["abort"]):
+        """Wait for a collective, giving up if the sender abandons the group meanwhile.
+
+        gloo: block in ``wait`` for slices of ``_ABORT_CHECK_S`` (it returns the moment the op
+        completes; a timed-out slice leaves the op pending). NCCL: poll ``is_completed``.
+        """
+        while True:
+            if self.device.type == "cuda":
+                for _ in range(_ABORT_EVERY):
+                    if work.is_completed():
+                        break
+                    time.sleep(_POLL_S)
+            else:
+                try:
+                    work.wait(timedelta(seconds=_ABORT_CHECK_S))
+                    return
+                except RuntimeError:
+                    pass
+            if work.is_completed():
+                work.wait()  # raises if the collective failed
+                return
+            if group.store.check(["abort"]):
                 raise _Aborted(f"the sender aborted the update: {group.store.get('abort').decode()}")
-        work.wait()
 
     def _drop_group(self) -> None:
         if self._group is not None:

@@ -1,26 +1,35 @@
-"""Transports move whole, checksummed, versioned updates; failures leave the receiver untouched."""
+"""Transports move whole, checksummed, versioned updates; failures leave the receiver untouched.
+
+Single-process tests: disk, and broadcast with the engine's receiving thread in this process (the
+group's two ranks in two threads). Cross-process runs are in test_engine_process.py.
+"""
 
 from __future__ import annotations
 
 import json
-import os
-import queue
-import signal
+import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tandem.config import ConfigError, from_dict
-from tandem.sync import SyncConfig, SyncError, SyncUnavailableError, bucketize, checksum
+from tandem.sync import EngineReceiver, SyncConfig, SyncError, SyncUnavailableError, VerifyError, bucketize
 from tandem.sync.base import flatten_bucket, unflatten_bucket
 from tandem.sync.broadcast import BroadcastReceiver, BroadcastSender
 from tandem.sync.disk import DiskReceiver, DiskSender
-from tests.sync.sinks import ModuleSink, perturbed_weights
+from tests.sync.engine_worker import MODEL, build_engine, engine_digest
+from tests.sync.sinks import ModuleSink, perturbed_weights, weight_buckets
 
 
-def _buckets(weights, nbytes=64 * 1024):
-    return bucketize(weights.items(), nbytes)
+def _digest(weights: dict) -> dict[str, int]:
+    from tandem.sync import checksum
+
+    return {k: checksum(v) for k, v in weights.items()}
+
+
+def _holds(engine, weights: dict) -> bool:
+    got = engine_digest(engine)
+    return {n: got[n] for n in weights} == _digest(weights)
 
 
 def test_flatten_round_trip_mixed_dtypes_and_checksum():
@@ -57,30 +66,29 @@ def test_sync_config_validation():
 
 
 def test_disk_full_and_delta(tmp_path):
-    sink = ModuleSink()
-    w1 = perturbed_weights(1)
+    engine = build_engine()
+    w1 = perturbed_weights(1, MODEL)
     sender = DiskSender(tmp_path, delta=True, keep_versions=2)
-    m1 = sender.send(_buckets(w1), 1)
+    m1 = sender.send(weight_buckets(w1), 1)
     assert m1["sync/bytes"] == m1["sync/bytes_total"]  # first version: everything
     recv = DiskReceiver(tmp_path)
-    assert recv.poll(sink.apply) == 1 and sink.version == 1
-    assert sink.digest() == {k: checksum(v) for k, v in w1.items()}
-    # change two tensors: only those travel
-    w2 = dict(w1)
+    assert recv.poll(engine.update_weights) == 1 and engine.weight_version == 1 and _holds(engine, w1)
+    # change two tensors: only those travel, and only those are loaded
     changed = ["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"]
-    for k in changed:
-        w2[k] = w1[k] + 1
-    m2 = sender.send(_buckets(w2), 2)
+    w2 = {**w1, **{k: w1[k] + 1 for k in changed}}
+    m2 = sender.send(weight_buckets(w2), 2)
     assert m2["sync/bytes"] == sum(w2[k].numel() * 4 for k in changed)
-    assert recv.poll(sink.apply) == 2
-    assert sink.digest() == {k: checksum(v) for k, v in w2.items()}
-    assert recv.poll(sink.apply) is None  # nothing newer
+    loaded = []
+    assert recv.poll(lambda named, v: (loaded.extend(n for n, _ in named), engine.update_weights(named, v))) == 2
+    assert sorted(loaded) == sorted(changed) and _holds(engine, w2)
+    assert recv.poll(engine.update_weights) is None  # nothing newer
     # a fresh receiver (another job) gets the full model from the delta manifests
-    fresh = ModuleSink()
-    DiskReceiver(tmp_path).poll(fresh.apply)
-    assert fresh.digest() == sink.digest()
+    fresh = build_engine()
+    DiskReceiver(tmp_path).poll(fresh.update_weights, verify=True)
+    assert _holds(fresh, w2) and fresh.weight_version == 2
     # pruning keeps two manifests and only referenced blobs
-    sender.send(_buckets(w2), 3)
+    sender.send(weight_buckets(w2), 3)
+    sender.close()  # waits for the background pruning
     assert sorted(p.name for p in (tmp_path / "manifests").iterdir()) == ["v2.json", "v3.json"]
     live = {
         e["blob"]
@@ -88,99 +96,98 @@ def test_disk_full_and_delta(tmp_path):
         for e in json.loads((tmp_path / "manifests" / f"v{v}.json").read_text())["tensors"].values()
     }
     assert {p.name for p in (tmp_path / "blobs").iterdir()} == live
+    assert not list(tmp_path.glob("**/*.tmp"))  # every temporary file was renamed or removed
 
 
 def test_disk_corruption_leaves_receiver_untouched(tmp_path):
-    sink = ModuleSink()
-    before = sink.digest()
-    DiskSender(tmp_path).send(_buckets(perturbed_weights(2)), 1)
+    engine = build_engine()
+    before = engine_digest(engine)
+    DiskSender(tmp_path).send(weight_buckets(perturbed_weights(2, MODEL)), 1)
     blob = next((tmp_path / "blobs").iterdir())
     data = bytearray(blob.read_bytes())
     data[-5] ^= 0xFF  # inside the tensor data
     blob.write_bytes(bytes(data))
     with pytest.raises(SyncError, match="corrupted"):
-        DiskReceiver(tmp_path).poll(sink.apply)
-    assert sink.digest() == before and sink.version == 0
+        DiskReceiver(tmp_path).poll(engine.update_weights)
+    assert engine_digest(engine) == before and engine.weight_version == 0
 
 
-# -- broadcast (gloo) between processes ---------------------------------------------------------------
+def test_disk_version_pruned_under_a_slow_receiver_is_a_sync_error(tmp_path):
+    sender = DiskSender(tmp_path, keep_versions=1)
+    sender.send(weight_buckets(perturbed_weights(1, MODEL)), 1)
+    receiver = DiskReceiver(tmp_path)
+    (tmp_path / "manifests" / "v1.json").unlink()  # what a fast sender's pruning does mid-read
+    with pytest.raises(SyncError, match="could not read"):
+        receiver.poll(build_engine().update_weights)
 
 
-def _receiver_main(port, results, corrupt_second, die_after_bucket):
-    torch.set_num_threads(1)
+# -- broadcast (gloo): sender here, the engine's receiving thread here too ---------------------------------
+
+
+@pytest.fixture
+def broadcast_pair():
+    engine = build_engine()
+    sender = BroadcastSender(num_receivers=1, timeout_s=20, verify=True)
+    rx = EngineReceiver(engine, BroadcastReceiver(rank=1, num_receivers=1, host="127.0.0.1", port=sender.port))
+    rx.start()
+    yield sender, engine, rx
+    sender.close()
+    rx.stop()
+
+
+def _wait_errors(rx: EngineReceiver, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while len(rx.errors) < n and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_broadcast_producer_failure_cancels_the_update_and_keeps_the_group(broadcast_pair):
+    sender, engine, rx = broadcast_pair
+    w1, w2 = perturbed_weights(1, MODEL), perturbed_weights(2, MODEL)
+    metrics = sender.send(weight_buckets(w1), 1)
+    assert engine.weight_version == 1 and _holds(engine, w1)
+    assert metrics["sync/verified_tensors"] == len(w1) and metrics["sync/buckets"] == len(list(weight_buckets(w1)))
+
+    def failing():  # the trainer's gather fails after two buckets
+        buckets = weight_buckets(w2)
+        yield next(buckets)
+        yield next(buckets)
+        raise RuntimeError("all-gather failed")
+
+    with pytest.raises(SyncError, match="version 2 cancelled, weights unchanged.*RuntimeError: all-gather failed"):
+        sender.send(failing(), 2)
+    _wait_errors(rx, 1)
+    assert "cancelled by the sender" in rx.last_error
+    assert engine.weight_version == 1 and _holds(engine, w1)
+    sender.send(weight_buckets(w2), 2)  # the same group (no re-forming) carries the next update
+    assert sender._generation == 1 and engine.weight_version == 2 and _holds(engine, w2)
+
+
+def test_broadcast_verify_reports_the_receivers_mismatch(broadcast_pair):
+    sender, engine, _ = broadcast_pair
+    weights = perturbed_weights(3, MODEL)
+    weights["lm_head.weight"] = weights["model.embed_tokens.weight"] * 2  # an untied head into a tied engine
+    with pytest.raises(VerifyError, match="receiver 1: model.embed_tokens.weight: engine weight differs"):
+        sender.send(weight_buckets(weights), 1)
+
+
+def test_broadcast_to_a_plain_function_cannot_be_verified():
+    sender = BroadcastSender(num_receivers=1, timeout_s=20, verify=True)
+    rx = BroadcastReceiver(rank=1, num_receivers=1, host="127.0.0.1", port=sender.port)
     sink = ModuleSink()
-    rx = BroadcastReceiver(rank=1, num_receivers=1, host="127.0.0.1", port=port, timeout_s=30)
-    if die_after_bucket:
-        import tandem.sync.broadcast as bmod
+    seen = []
+    import threading
 
-        real = bmod._bcast
-        count = {"n": 0}
-
-        def dying(pg, t):
-            count["n"] += 1
-            if count["n"] == 4:  # control, header, body of bucket 1, then control of bucket 2
-                os.kill(os.getpid(), signal.SIGKILL)
-            return real(pg, t)
-
-        bmod._bcast = dying
-    for i in range(3):
-        rx.corrupt_next_bucket = corrupt_second and i == 1
-        try:
-            rx.receive(sink.apply)
-        except SyncError as e:
-            results.put(("error", str(e)))
-        results.put((sink.version, sink.digest()))
-
-
-def _spawn(port, results, corrupt_second=False, die_after_bucket=False):
-    p = mp.get_context("spawn").Process(
-        target=_receiver_main, args=(port, results, corrupt_second, die_after_bucket)
-    )
-    p.start()
-    return p
-
-
-@pytest.mark.dist
-def test_broadcast_bit_exact_versions_and_corrupted_bucket():
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    sender = BroadcastSender(num_receivers=1, timeout_s=30)
-    proc = _spawn(sender.port, results, corrupt_second=True)
+    thread = threading.Thread(target=lambda: seen.append(rx.receive(lambda named, v: sink.apply(named, v))))
+    thread.start()
     try:
-        w1, w2, w3 = perturbed_weights(1), perturbed_weights(2), perturbed_weights(3)
-        sender.send(_buckets(w1), 1)
-        assert results.get(timeout=60) == (1, {k: checksum(v) for k, v in w1.items()})
-        with pytest.raises(SyncError, match="not applied.*checksum mismatch"):
-            sender.send(_buckets(w2), 2)
-        assert results.get(timeout=60)[0] == "error"
-        assert results.get(timeout=60) == (1, {k: checksum(v) for k, v in w1.items()})  # untouched
-        m = sender.send(_buckets(w3), 3)  # the next sync succeeds on the same group
-        assert results.get(timeout=60) == (3, {k: checksum(v) for k, v in w3.items()})
-        assert m["sync/bytes"] > 0
+        with pytest.raises(VerifyError, match="engine weights not checked: the receiver applies through a plain"):
+            sender.send(weight_buckets(perturbed_weights(4)), 1)
     finally:
-        proc.join(timeout=30)
-        proc.kill()
-
-
-@pytest.mark.dist
-def test_broadcast_receiver_killed_mid_transfer_then_recovers():
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    sender = BroadcastSender(num_receivers=1, timeout_s=20)
-    proc = _spawn(sender.port, results, die_after_bucket=True)
-    w1 = perturbed_weights(1)
-    with pytest.raises(SyncError, match="broadcast sync to version 1 failed"):
-        sender.send(_buckets(w1), 1)
-    proc.join(timeout=30)
-    with pytest.raises(queue.Empty):
-        results.get(timeout=0.5)  # it never applied anything
-    # a restarted engine process reconnects and the next sync succeeds
-    proc2 = _spawn(sender.port, results)
-    try:
-        sender.send(_buckets(w1), 2)
-        assert results.get(timeout=60) == (2, {k: checksum(v) for k, v in w1.items()})
-    finally:
-        proc2.kill()
+        thread.join(20)
+        sender.close(wait_s=0)
+        rx.close()
+    assert seen == [1] and sink.version == 1  # applied; only the check was impossible
 
 
 def test_gpu_transports_need_a_gpu():
@@ -192,41 +199,5 @@ def test_gpu_transports_need_a_gpu():
         CudaIpcSender(authkey=b"k")
     with pytest.raises(SyncUnavailableError, match="needs a GPU"):
         CupyNcclSender(num_receivers=1)
-
-
-# -- Ray object store ----------------------------------------------------------------------------------
-
-
-@pytest.mark.dist
-def test_ray_object_store_transport():
-    ray = pytest.importorskip("ray")
-    from tandem.sync.ray_store import RaySender, receive_from_refs
-
-    @ray.remote(num_cpus=0)
-    class SinkActor:
-        def __init__(self):
-            torch.set_num_threads(1)
-            self.sink = ModuleSink()
-
-        def receive_weights(self, refs, headers, version):
-            return receive_from_refs(refs, headers, version, self.sink.apply)
-
-        def state(self):
-            return self.sink.version, self.sink.digest()
-
-    ray.init(
-        num_cpus=1,
-        include_dashboard=False,
-        log_to_driver=False,
-        runtime_env={"env_vars": {"PYTHONPATH": os.getcwd()}},
-    )
-    try:
-        actor = SinkActor.remote()
-        w1 = perturbed_weights(4)
-        RaySender([actor]).send(_buckets(w1), 1)
-        assert ray.get(actor.state.remote()) == (1, {k: checksum(v) for k, v in w1.items()})
-        ray.kill(actor)
-        with pytest.raises(SyncError, match="ray sync to version 2 failed"):
-            RaySender([actor]).send(_buckets(w1), 2)
-    finally:
-        ray.shutdown()
+    with pytest.raises(SyncUnavailableError, match="needs a GPU"):
+        BroadcastSender(num_receivers=1, device="cuda")
