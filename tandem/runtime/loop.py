@@ -41,7 +41,7 @@ from tandem.runtime.metrics import rollout_metrics, staleness_metrics
 from tandem.runtime.policy import merge_mini_batch_metrics, mini_batch_rows, old_log_prob_source, run_contract
 from tandem.runtime.progress import Progress
 from tandem.runtime.tracking import Tracker
-from tandem.sync.inprocess import InProcessSync
+from tandem.sync import build_sender
 
 __all__ = ["Run"]
 
@@ -76,7 +76,12 @@ class Run:
         self.generate_fn = builders.resolve_generate(cfg.rollout.generate)
         self.trainer = builders.build_training_engine(cfg)
         self.engine = builders.build_inference_engine(cfg)
-        self.sync = InProcessSync(self.engine)
+        if cfg.sync.transport != "inprocess":  # other transports need the separate placement
+            raise NotImplementedError(
+                f"sync.transport={cfg.sync.transport!r} needs runtime.placement='separate'; colocated runs "
+                "sync in-process"
+            )
+        self.sync = build_sender(cfg.sync, engine=self.engine)
         self.kl_ctl = cfg.algorithm.kl_controller()
         self.contract = run_contract(cfg, self.trainer, self.engine)
         self.contract_check = ContractCheck(contract=self.contract, on_violation=cfg.algorithm.contract.on_violation)
@@ -213,9 +218,11 @@ class Run:
         return metrics
 
     def sync_weights(self) -> dict[str, float]:
+        """Send the trainer's weights as the next version; the version moves only once the engine has it."""
         t0 = time.perf_counter()
-        self.version += 1
-        metrics = self.sync.send(self.trainer.named_parameters_for_sync(self.cfg.sync.bucket_bytes), self.version)
+        version = self.version + 1
+        metrics = self.sync.send(self.trainer.named_parameters_for_sync(self.cfg.sync.bucket_bytes), version)
+        self.version = version
         return metrics | {"time/sync_s": time.perf_counter() - t0, "sync/version": float(self.version)}
 
     # -- modes ----------------------------------------------------------------------------------------
