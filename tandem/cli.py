@@ -21,6 +21,8 @@ COMMANDS: dict[str, str] = {
     "export": "write a training checkpoint's policy as an HF safetensors folder",
     "report": "write PNG plots and a summary of a run directory",
     "train": "run the RL loop on a recipe (GRPO, PPO, ...)",
+    "serve": "serve OpenAI-compatible chat sessions (token-in-token-out) for agents",
+    "verify-template": "check that a chat template is prefix-stable for multi-turn token-in-token-out",
 }
 
 
@@ -34,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     for name, help_text in COMMANDS.items():
-        mod = importlib.import_module(f"tandem.commands.{name}")
+        mod = importlib.import_module(f"tandem.commands.{name.replace('-', '_')}")
         p = sub.add_parser(name, help=help_text, description=help_text)
         mod.configure(p)
         p.set_defaults(_module=mod)

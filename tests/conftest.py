@@ -9,6 +9,11 @@ import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Without CUDA the Triton kernels run in Triton's CPU interpreter. TRITON_INTERPRET is read when a
+# kernel is decorated, including triton.language's own helpers at `import triton`: it must be set
+# before anything in the session (a test of another package, torch.compile) first imports triton.
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):

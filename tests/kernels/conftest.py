@@ -1,8 +1,8 @@
 """Kernel tests run the Triton kernels on CUDA when there is a GPU, else in Triton's CPU interpreter.
 
-``TRITON_INTERPRET`` is read when a kernel is decorated, i.e. when `tandem.kernels.triton_kernels`
-is first imported; this conftest runs before any test imports it. It is set only without CUDA, so a
-GPU run of the whole suite keeps compiling real kernels.
+``TRITON_INTERPRET`` is read when a kernel is decorated (also triton.language's helpers, at
+``import triton``): tests/conftest.py sets it, only without CUDA, before any test module is imported, so
+a GPU run of the whole suite keeps compiling real kernels.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 if DEVICE == "cpu":
-    os.environ["TRITON_INTERPRET"] = "1"
+    os.environ["TRITON_INTERPRET"] = "1"  # normally already set by tests/conftest.py
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (the dev extra)")

@@ -1,0 +1,1 @@
+"""Shipped example agents (see docs/agentic.md)."""

@@ -1,0 +1,393 @@
+"""The session server: an OpenAI-compatible HTTP API over a `SessionStore` (FastAPI + uvicorn).
+
+Endpoints (the OpenAPI schema is at ``/openapi.json``)::
+
+    GET    /health                                       engine + session counters
+    POST   /sessions                                     -> {"id", "base_url"}           201
+    GET    /sessions/{id}                                the trajectory: messages, token ids, loss mask,
+                                                         log-probs, weight versions, turns, stats
+    DELETE /sessions/{id}                                close it; returns the final trajectory
+    POST   /sessions/{id}/rollback                       remove the last turn
+    POST   /sessions/{id}/v1/chat/completions            OpenAI chat completions (tools, stream: true)
+    GET    /sessions/{id}/v1/models                      the served model, for clients that list models
+
+An OpenAI client works unchanged with ``base_url=<server>/sessions/<id>/v1``.
+
+Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: unknown session 404, a
+body that does not validate 422 (``param`` names the field), history that does not extend the session
+409, token drift 409 (``info`` holds the first differing position), too many sessions 429, a request
+larger than ``max_request_bytes`` 413, missing or wrong bearer token 401, engine failure 503 with the
+session unchanged (retry the same request).
+
+The engine is driven by the event loop that serves the requests (``agenerate``); run the server in the
+thread that should do the engine's work (`serve_forever` in the main thread; `RunningServer` inside an
+existing event loop, as the agentic generate function does). Streaming sends its chunks when the turn
+is complete: the engine protocol returns whole completions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from tandem.rollout.chat import TemplateRenderError
+from tandem.rollout.openai_schema import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    CreateSession,
+    ErrorBody,
+    SessionCreated,
+    SessionView,
+)
+from tandem.rollout.session import (
+    EngineUnavailableError,
+    SessionConfig,
+    SessionNotFoundError,
+    SessionStore,
+    TooManySessionsError,
+    TurnOutcome,
+    TurnRequest,
+)
+from tandem.rollout.tito import HistoryMismatchError, TokenDriftError
+
+__all__ = ["RunningServer", "ServerConfig", "create_app", "serve_forever"]
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(kw_only=True, slots=True)
+class ServerConfig:
+    """The HTTP side of the session server; ``sessions`` holds the per-session limits and checks."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
+    max_request_bytes: int = 4 << 20
+    model_name: str = "tandem"  # the "model" field of responses
+    sessions: SessionConfig = field(default_factory=SessionConfig)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port={self.port} must be in [0, 65535]")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes={self.max_request_bytes} must be >= 1024")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty (leave it unset for no authentication)")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, *, kind: str, param: str | None = None,
+                 info: dict[str, Any] | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param, self.info = status, message, kind, param, info
+        self.headers = headers
+
+
+def _error_response(status: int, message: str, *, kind: str, param: str | None = None,
+                    info: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
+                    extra: dict[str, Any] | None = None) -> JSONResponse:
+    body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    if info:
+        body["error"]["info"] = jsonable_encoder(info)
+    return JSONResponse(body | (extra or {}), status_code=status, headers=headers)
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 for a request body over ``limit`` bytes, declared or streamed.
+
+    The body is read (and counted) before the app sees it, then replayed: an error raised while the
+    app reads would reach FastAPI's body parser, which reports any read failure as a 400.
+    """
+
+    def __init__(self, app, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return await self._reject(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._reject(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if replayed:
+                return await receive()  # after the body: wait for the disconnect, as the server would
+            replayed = True
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope, receive, send) -> None:
+        response = _error_response(413, f"request body larger than max_request_bytes={self.limit}",
+                                   kind="request_too_large")
+        await response(scope, receive, send)
+
+
+def create_app(store: SessionStore, config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app serving ``store`` (see the module docstring)."""
+    config = config or ServerConfig()
+    app = FastAPI(title="Tandem session server", version="1",
+                  description="Token-in-token-out chat sessions for agentic RL rollouts.")
+    bearer = HTTPBearer(auto_error=False)
+
+    def check_auth(credentials: HTTPAuthorizationCredentials | None = Depends(bearer)) -> None:  # noqa: B008
+        if config.api_key is None:
+            return
+        given = credentials.credentials if credentials is not None else ""
+        if not hmac.compare_digest(given.encode(), config.api_key.encode()):
+            raise ApiError(401, "missing or wrong bearer token", kind="authentication_error",
+                           headers={"WWW-Authenticate": "Bearer"})
+
+    _install_error_handlers(app)
+    errors = {404: {"model": ErrorBody}, 401: {"model": ErrorBody}}
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        engine = store.engine.health()
+        return {"status": engine.get("status", "ok"), "engine": engine, "sessions": store.health()}
+
+    @app.post("/sessions", status_code=201, response_model=SessionCreated, dependencies=[Depends(check_auth)],
+              responses={429: {"model": ErrorBody}, 401: {"model": ErrorBody}})
+    async def create_session(request: Request, body: CreateSession | None = None) -> dict[str, Any]:
+        body = body or CreateSession()
+        try:
+            session = store.create(metadata=body.metadata, max_turns=body.max_turns)
+        except TooManySessionsError as e:
+            raise ApiError(429, str(e), kind="too_many_sessions") from None
+        except ValueError as e:
+            raise ApiError(422, str(e), kind="invalid_request_error", param="max_turns") from None
+        base = str(request.base_url).rstrip("/")
+        return {"id": session.id, "base_url": f"{base}/sessions/{session.id}/v1"}
+
+    @app.get("/sessions/{session_id}", response_model=SessionView, dependencies=[Depends(check_auth)],
+             responses=errors)
+    async def get_session(session_id: str) -> dict[str, Any]:
+        return _session(store, session_id).summary()
+
+    @app.delete("/sessions/{session_id}", response_model=SessionView, dependencies=[Depends(check_auth)],
+                responses=errors)
+    async def delete_session(session_id: str) -> dict[str, Any]:
+        try:
+            return store.delete(session_id).summary()
+        except SessionNotFoundError:
+            raise _not_found(session_id) from None
+
+    @app.post("/sessions/{session_id}/rollback", response_model=SessionView, dependencies=[Depends(check_auth)],
+              responses=errors | {409: {"model": ErrorBody}})
+    async def rollback(session_id: str) -> dict[str, Any]:
+        try:
+            return store.rollback(session_id).summary()
+        except SessionNotFoundError:
+            raise _not_found(session_id) from None
+        except HistoryMismatchError as e:
+            raise ApiError(409, str(e), kind="conflict") from None
+
+    @app.get("/sessions/{session_id}/v1/models", dependencies=[Depends(check_auth)], responses=errors)
+    async def models(session_id: str) -> dict[str, Any]:
+        _session(store, session_id)
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "owned_by": "tandem"}]}
+
+    @app.post("/sessions/{session_id}/v1/chat/completions", dependencies=[Depends(check_auth)],
+              responses=errors | {200: {"model": ChatCompletion}, 409: {"model": ErrorBody},
+                                  503: {"model": ErrorBody}})
+    async def chat_completions(session_id: str, body: ChatCompletionRequest):
+        session = _session(store, session_id)
+        turn = TurnRequest(
+            messages=[m.model_dump(exclude_none=True) for m in body.messages],
+            tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
+            temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
+            max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed, ignore_eos=body.ignore_eos,
+        )
+        outcome = await _run_turn(store, session, turn)
+        payload = _completion(store, session.id, outcome, body, config.model_name)
+        if body.stream:
+            return StreamingResponse(_sse(payload, include_usage=_include_usage(body)),
+                                     media_type="text/event-stream")
+        return JSONResponse(payload)
+
+    app.add_middleware(BodySizeLimit, limit=config.max_request_bytes)
+    return app
+
+
+def _include_usage(body: ChatCompletionRequest) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _session(store: SessionStore, session_id: str):
+    try:
+        return store.get(session_id)
+    except SessionNotFoundError:
+        raise _not_found(session_id) from None
+
+
+def _not_found(session_id: str) -> ApiError:
+    return ApiError(404, f"no session {session_id!r} (never created, deleted, or expired)", kind="not_found",
+                    param="session_id")
+
+
+async def _run_turn(store: SessionStore, session, turn: TurnRequest) -> TurnOutcome:
+    try:
+        return await store.complete(session, turn)
+    except SessionNotFoundError:
+        raise _not_found(session.id) from None
+    except TokenDriftError as e:
+        raise ApiError(409, str(e), kind="token_drift", info=e.info) from None
+    except HistoryMismatchError as e:
+        raise ApiError(409, str(e), kind="history_mismatch", param="messages") from None
+    except TemplateRenderError as e:
+        raise ApiError(422, str(e), kind="invalid_request_error", param="messages") from None
+    except EngineUnavailableError as e:
+        raise ApiError(503, f"{e}; the session is unchanged: retry the request", kind="engine_unavailable",
+                       headers={"Retry-After": "1"}) from None
+
+
+def _completion(store: SessionStore, session_id: str, outcome: TurnOutcome, body: ChatCompletionRequest,
+                model_name: str) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": 0, "message": outcome.message, "finish_reason": outcome.finish_reason}
+    if body.logprobs:
+        tokens = store.template.token_strings(outcome.token_ids)
+        choice["logprobs"] = {"content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+            for t, lp in zip(tokens, outcome.log_probs, strict=True)
+        ]}
+    if body.return_token_ids:
+        choice["token_ids"] = outcome.token_ids
+    n = len(outcome.token_ids)
+    return {
+        "id": f"chatcmpl-{session_id[:12]}-{outcome.turn_index}", "object": "chat.completion",
+        "created": int(time.time()), "model": model_name, "choices": [choice],
+        "usage": {"prompt_tokens": outcome.prompt_tokens, "completion_tokens": n,
+                  "total_tokens": outcome.prompt_tokens + n},
+    }
+
+
+async def _sse(payload: dict[str, Any], *, include_usage: bool) -> AsyncIterator[str]:
+    """OpenAI ``chat.completion.chunk`` events for a finished completion, then ``[DONE]``."""
+    base = {"id": payload["id"], "object": "chat.completion.chunk", "created": payload["created"],
+            "model": payload["model"]}
+    choice = payload["choices"][0]
+    message = choice["message"]
+
+    def event(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> str:
+        chunk = base | {"choices": [{"index": 0, "delta": delta, "finish_reason": finish, **extra}]}
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    yield event({"role": "assistant", "content": ""})
+    if message.get("content"):
+        yield event({"content": message["content"]}, logprobs=choice.get("logprobs"))
+    for i, call in enumerate(message.get("tool_calls") or []):
+        yield event({"tool_calls": [{"index": i, **call}]})
+    yield event({}, choice["finish_reason"])
+    if include_usage:
+        yield f"data: {json.dumps(base | {'choices': [], 'usage': payload['usage']})}\n\n"
+    yield "data: [DONE]\n\n"
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return _error_response(exc.status, exc.message, kind=exc.kind, param=exc.param, info=exc.info,
+                               headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        details = jsonable_encoder(exc.errors(), custom_encoder={BaseException: str})
+        first = details[0] if details else {"loc": [], "msg": "invalid request"}
+        loc = [str(p) for p in first.get("loc", []) if p != "body"]
+        param = ".".join(loc) or None
+        return _error_response(422, f"{param or 'body'}: {first.get('msg')}", kind="invalid_request_error",
+                               param=param, extra={"detail": details})
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error_response(exc.status_code, str(exc.detail), kind="http_error", headers=exc.headers)
+
+
+# -- running it ---------------------------------------------------------------------------------------------
+
+
+def _uvicorn_config(app, **kw):
+    import uvicorn
+
+    return uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", log_config=None,
+                          timeout_graceful_shutdown=2, **kw)
+
+
+def serve_forever(app, host: str, port: int) -> None:
+    """Serve in the calling thread until interrupted (the engine's steps run in this thread)."""
+    import uvicorn
+
+    uvicorn.Server(_uvicorn_config(app, host=host, port=port)).run()
+
+
+class RunningServer:
+    """``async with RunningServer(app) as srv:`` serves ``app`` on ``srv.base_url`` in the running event loop.
+
+    Binds 127.0.0.1 on a free port by default. Signals are left alone (the caller owns them).
+    """
+
+    def __init__(self, app, *, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.app, self.host, self.port = app, host, port
+        self.base_url = ""
+
+    async def __aenter__(self) -> RunningServer:
+        import uvicorn
+
+        class _Embedded(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                yield
+
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY only on sockets whose proto says TCP; without it,
+        # Nagle plus delayed ACKs add ~40 ms to every request on loopback (measured)
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.host, self.port))
+        sock.listen(2048)
+        sock.setblocking(False)
+        self._sock = sock
+        self.port = sock.getsockname()[1]
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.base_url = f"http://{host}:{self.port}"
+        self._server = _Embedded(_uvicorn_config(self.app))
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # startup failed: raise its error
+                raise RuntimeError("the session server stopped during start-up")
+            await asyncio.sleep(0.005)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        self._server.should_exit = True
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self._sock.close()
