@@ -10,8 +10,8 @@ produce identical bits; ``backend="auto"`` runs Triton on CUDA tensors and the r
 Triton is imported only when a kernel runs, so this package imports without triton or a GPU.
 
 Integration: `apply_qat` (trainer: fake-quantized linears), `quantize_state_dict` /
-`iter_quantized` (sync: quantize on send), `dequantize_state_dict` (engine: dequantize on load).
-See docs/kernels.md.
+`iter_quantized` (sync: quantize on send), `dequantize_state_dict` and `DequantizeOnLoad` (engine:
+dequantize on load). See docs/kernels.md.
 """
 
 from tandem.kernels.config import QuantConfig
@@ -24,11 +24,21 @@ from tandem.kernels.fp8 import (
     quantize_fp8_block,
 )
 from tandem.kernels.int4 import dequantize_int4, fake_quantize_int4, pack_int4, quantize_int4, unpack_int4
+from tandem.kernels.load import DequantizeOnLoad
 from tandem.kernels.mxfp8 import dequantize_mxfp8, fake_quantize_mxfp8, quantize_mxfp8
-from tandem.kernels.qat import QATLinear, apply_qat, fake_quantize, fake_quantize_weight, remove_qat
+from tandem.kernels.qat import (
+    QATLinear,
+    apply_qat,
+    fake_quantize,
+    fake_quantize_weight,
+    qat_targets,
+    quantize_linear_inputs,
+    remove_qat,
+)
 from tandem.kernels.state_dict import dequantize_state_dict, iter_quantized, quantize_state_dict
 
 __all__ = [
+    "DequantizeOnLoad",
     "QATLinear",
     "QuantConfig",
     "apply_qat",
@@ -45,9 +55,11 @@ __all__ = [
     "fake_quantize_weight",
     "iter_quantized",
     "pack_int4",
+    "qat_targets",
     "quantize_fp8_activation",
     "quantize_fp8_block",
     "quantize_int4",
+    "quantize_linear_inputs",
     "quantize_mxfp8",
     "quantize_state_dict",
     "remove_qat",

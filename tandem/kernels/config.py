@@ -11,7 +11,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["DEFAULT_EXCLUDE", "DEFAULT_TARGETS", "FORMATS", "MX_BLOCK", "QuantConfig"]
+__all__ = ["DEFAULT_EXCLUDE", "DEFAULT_TARGETS", "FORMATS", "MX_BLOCK", "QuantConfig", "matches_pattern"]
 
 FORMATS = ("fp8_block", "mxfp8", "int4_sym", "int4_asym")
 MX_BLOCK = 32  # OCP MX v1.0: every concrete MX format uses k = 32 elements per shared scale
@@ -24,7 +24,8 @@ DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 DEFAULT_EXCLUDE = ["lm_head", "*.mlp.gate"]
 
 
-def _matches(name: str, pattern: str) -> bool:
+def matches_pattern(name: str, pattern: str) -> bool:
+    """Whether the dotted module ``name`` matches one ``target_modules`` / ``exclude_modules`` pattern."""
     if any(ch in pattern for ch in "*?["):
         return fnmatch.fnmatchcase(name, pattern)
     return name == pattern or name.endswith("." + pattern)
@@ -98,6 +99,6 @@ class QuantConfig:
 
     def targets(self, module_name: str) -> bool:
         """Whether the module (dotted name, e.g. ``model.layers.0.mlp.down_proj``) is quantized."""
-        if any(_matches(module_name, p) for p in self.exclude_modules):
+        if any(matches_pattern(module_name, p) for p in self.exclude_modules):
             return False
-        return any(_matches(module_name, p) for p in self.target_modules)
+        return any(matches_pattern(module_name, p) for p in self.target_modules)

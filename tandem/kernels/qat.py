@@ -10,7 +10,14 @@ scaling every finite value of a block lies inside the representable range, so "i
 every finite value; +-Inf (saturated in the forward) also passes its gradient through unchanged.
 
 Call `apply_qat` before sharding (``fully_shard``) or wrapping the model: it replaces modules whose
-type is exactly ``nn.Linear`` and refuses subclasses it would silently strip.
+type is exactly ``nn.Linear`` and refuses subclasses it would silently strip. `qat_targets` names the
+modules it would swap and refuses targets that match nothing; an inference engine that serves the
+same format holds the quantized weights (`tandem.kernels.load`) and, for ``quantize_activations``,
+fake-quantizes each targeted linear's input with `quantize_linear_inputs`.
+
+Under autocast the weight (and input) are cast to the autocast dtype *before* fake quantization, so a
+one-process trainer with autocast quantizes what an FSDP mixed-precision forward (weights gathered in
+``param_dtype``) and an engine holding ``param_dtype`` weights quantize.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.kernels.config import QuantConfig
+from tandem.kernels.config import DEFAULT_TARGETS, QuantConfig, matches_pattern
 from tandem.kernels.fp8 import fake_quantize_fp8_activation, fake_quantize_fp8_block
 from tandem.kernels.int4 import fake_quantize_int4
 from tandem.kernels.mxfp8 import fake_quantize_mxfp8
@@ -33,6 +40,8 @@ __all__ = [
     "fake_quantize",
     "fake_quantize_activation_ste",
     "fake_quantize_weight",
+    "qat_targets",
+    "quantize_linear_inputs",
     "remove_qat",
 ]
 
@@ -76,6 +85,16 @@ def fake_quantize_activation_ste(x: torch.Tensor, cfg: QuantConfig) -> torch.Ten
     return _StraightThrough.apply(x, partial(_fake_quantize_activation, cfg=cfg))
 
 
+def _in_compute_dtype(t: torch.Tensor) -> torch.Tensor:
+    """``t`` cast to the autocast dtype when autocast is on for its device (what F.linear would use)."""
+    kind = t.device.type
+    if torch.is_autocast_enabled(kind):
+        dtype = torch.get_autocast_dtype(kind)
+        if t.dtype != dtype:
+            return t.to(dtype)
+    return t
+
+
 class QATLinear(nn.Linear):
     """``nn.Linear`` whose forward uses the fake-quantized weight (and input, if configured)."""
 
@@ -83,8 +102,8 @@ class QATLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.qat_config.quantize_activations:
-            x = fake_quantize_activation_ste(x, self.qat_config)
-        return F.linear(x, fake_quantize(self.weight, self.qat_config), self.bias)
+            x = fake_quantize_activation_ste(_in_compute_dtype(x), self.qat_config)
+        return F.linear(x, fake_quantize(_in_compute_dtype(self.weight), self.qat_config), self.bias)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, cfg: QuantConfig) -> QATLinear:
@@ -103,6 +122,48 @@ class QATLinear(nn.Linear):
 def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+
+
+def qat_targets(model: nn.Module, cfg: QuantConfig, *, output_module: str | None = None) -> list[str]:
+    """Names of the ``nn.Linear`` modules of ``model`` that ``cfg`` targets (what `apply_qat` swaps).
+
+    Raises ValueError, listing the model's linear layers, when nothing matches, when a pattern of
+    ``target_modules`` matches no targeted linear (unless the list is the default one, which spans
+    model families: ``gate_up_proj`` exists only in fused MoE models), or when ``output_module`` (the
+    LM head, whose weight log-prob code reads directly, bypassing the module) is targeted.
+    """
+    linears = [name for name, m in model.named_modules() if name and isinstance(m, nn.Linear)]
+    chosen = [name for name in linears if cfg.targets(name)]
+    available = ", ".join(sorted({name.rsplit(".", 1)[-1] for name in linears}))
+    if output_module is not None and output_module in chosen:
+        raise ValueError(
+            f"quantization targets {output_module!r}, the output projection: log-probs read its weight "
+            "directly (and it is often tied to the embedding), so it cannot be fake-quantized; remove it "
+            "from target_modules or add it to exclude_modules"
+        )
+    spans_families = list(cfg.target_modules) == DEFAULT_TARGETS
+    unmatched = [
+        p for p in cfg.target_modules
+        if not spans_families and not any(matches_pattern(name, p) for name in chosen)
+    ]
+    if unmatched or not chosen:
+        raise ValueError(
+            f"quantization target_modules={cfg.target_modules}: {unmatched or 'nothing'} matches no linear "
+            f"layer (exclude_modules={cfg.exclude_modules}); the model's linear layers are: {available}"
+        )
+    return chosen
+
+
+def quantize_linear_inputs(model: nn.Module, cfg: QuantConfig, names: list[str]) -> list:
+    """Forward pre-hooks that fake-quantize the input of each named linear (no gradient): an engine's
+    side of ``quantize_activations``, the same values `QATLinear` feeds its matmul. Returns the handles."""
+    if not cfg.quantize_activations:
+        return []
+
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        return (_fake_quantize_activation(args[0], cfg), *args[1:])
+
+    return [model.get_submodule(name).register_forward_pre_hook(hook) for name in names]
 
 
 def apply_qat(model: nn.Module, cfg: QuantConfig) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from tandem.kernels.config import QuantConfig
 from tandem.models.registry import ModelConfig
 
 __all__ = ["TorchEngineConfig"]
@@ -18,6 +19,11 @@ class TorchEngineConfig:
     sequence slots of ``slot_len = max_model_len`` rounded up to a multiple of 64 tokens each, so
     memory stays at ``kv_cache_tokens`` tokens (x layers x 2 x kv_heads x head_dim x dtype bytes).
     A sequence occupies one slot from admission to finish; requests that find no free slot wait.
+
+    ``quantization`` (`tandem.kernels.QuantConfig`): serve that format's weights, dequantized on load.
+    Every targeted linear weight is held as ``dequantize(quantize(w))`` in the model dtype: the model
+    files at start, full-precision tensors given to ``update_weights``, or quantized tensors with their
+    scales (quantize-on-send). Give it the trainer's ``qat`` config to serve the trainer's weights.
     """
 
     model: ModelConfig | None = None  # None: the run's model (the runtime fills it in)
@@ -32,6 +38,7 @@ class TorchEngineConfig:
         True  # CPU: keep oneDNN-packed copies of the linear weights (faster, 2x weight memory)
     )
     device: Literal["cpu", "cuda"] = "cpu"
+    quantization: QuantConfig | None = None  # serve quantize->dequantize weights (tandem.kernels)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -50,6 +50,8 @@ from tandem.engines.inference.torch.config import TorchEngineConfig
 from tandem.engines.inference.torch.kv_cache import KVCache, StepAttention
 from tandem.engines.inference.torch.sampling import RowSampler, derive_seed, sample_tokens
 from tandem.engines.inference.torch.scheduler import Phase, RequestState, Scheduler, StepPlan, error_result
+from tandem.kernels.load import DequantizeOnLoad
+from tandem.kernels.state_dict import find_quantized
 from tandem.models.attention import MoERouting
 from tandem.models.registry import resolve_model
 from tandem.models.transformer import CausalLM
@@ -107,6 +109,9 @@ class TorchEngine:
                 f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings="
                 f"{args.max_position_embeddings}"
             )
+        self._quant = DequantizeOnLoad(self.model, config.quantization) if config.quantization else None
+        if self._quant is not None:
+            self._quant.apply(self.model)  # the model files' weights, quantized then dequantized
         # deterministic attention reads keys in whole tiles, so slots are whole tiles long
         slot_len = round_up(config.max_model_len, KEY_TILE) if config.deterministic else config.max_model_len
         num_slots = min(config.max_num_seqs, config.cache_tokens // slot_len)
@@ -186,9 +191,12 @@ class TorchEngine:
         """Copy HF-named tensors into the live weights in place, between two steps.
 
         Every tensor is checked (known name, same shape, floating point) before any is copied, so a bad
-        update leaves the weights untouched. A partial update (one bucket of many) is allowed.
+        update leaves the weights untouched. A partial update (one bucket of many) is allowed. With
+        ``quantization``, targeted weights are stored dequantized (`tandem.kernels.load`): quantized
+        tensors + scales are dequantized, full-precision ones quantized then dequantized, and ones the
+        sync layer already dequantized on the same grid are kept as they are.
         """
-        items = list(named_tensors)
+        items = self._incoming(list(named_tensors), version)
         errors = []
         for name, tensor in items:
             target = self._weights.get(name)
@@ -198,6 +206,8 @@ class TorchEngine:
                 errors.append(f"{name}: shape {tuple(tensor.shape)} != engine shape {tuple(target.shape)}")
             elif not tensor.is_floating_point():
                 errors.append(f"{name}: dtype {tensor.dtype} is not floating point")
+            elif self._quant is not None and (problem := self._quant.problem(name, tensor)):
+                errors.append(problem)
         if errors:
             more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
             raise ValueError(
@@ -207,9 +217,22 @@ class TorchEngine:
             )
         with self._between_steps(), torch.no_grad():
             for name, tensor in items:
-                _copy_into(self._weights[name], tensor)
+                target = self._weights[name]
+                _copy_into(target, tensor if self._quant is None else self._quant.served(name, tensor, target.dtype))
             repack(self._packed, [self._weights[name] for name, _ in items])
             self._version = int(version)
+
+    def _incoming(self, items: list, version: int) -> list:
+        """``items`` with quantized tensors + companions dequantized (needs ``quantization``)."""
+        try:
+            if self._quant is not None:
+                return self._quant.unpack(items, self.model.dtype)
+            quantized = find_quantized(items)
+            if quantized is not None:
+                raise ValueError(f"{quantized!r} is a quantized tensor but TorchEngineConfig.quantization is not set")
+        except ValueError as e:
+            raise ValueError(f"update_weights(version={version}) rejected, weights untouched: {e}") from e
+        return items
 
     def score(
         self, sequences: SequenceABC[tuple[SequenceABC[int], int]], *, temperature: float = 1.0,
@@ -303,6 +326,7 @@ class TorchEngine:
             "kv_cache_bytes": self.cache.nbytes if self.cache.allocated else 0,
             "packed_weight_bytes": sum(w.numel() * w.element_size() for w in self._packed.values()),
             "deterministic": self.config.deterministic,
+            "quantization": self.config.quantization.format if self.config.quantization else None,
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "device": str(self.cache.device),
             "last_error": self._last_error,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tandem.kernels.config import QuantConfig
 from tandem.models.registry import ModelConfig
 
 __all__ = [
@@ -121,6 +122,13 @@ class FSDPConfig:
     are packed into micro-batches of at most that many tokens. ``packing = False`` (or a model the
     native implementation does not cover) uses the HF model with padded micro-batches instead.
     ``temperature`` scales logits before the log-softmax, like the inference engine's sampler.
+
+    ``qat`` (`tandem.kernels.QuantConfig`): quantization-aware training. The targeted linear layers
+    of the policy (and reference) model compute with fake-quantized weights (INT4, or FP8 block / MX,
+    with ``quantize_activations`` also fake-quantized inputs) and a straight-through backward; the
+    master weights stay in full precision, and `named_parameters_for_sync` yields them. Pair it with
+    an engine holding the same format (``inference.torch.quantization``, and optionally
+    ``sync.quantize`` to send fp8/int4 bytes): all three take the same QuantConfig. Not with LoRA.
     """
 
     model: ModelConfig | None = None
@@ -135,6 +143,7 @@ class FSDPConfig:
     packing: bool = True
     routing_replay: bool = False  # R3: replay batch.routed_experts in MoE layers
     deterministic: bool = False  # batch-invariant ops (tandem.ops): log-probs equal the embedded engine's
+    qat: QuantConfig | None = None  # fake-quantized forward of the targeted linears (tandem.kernels)
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
 
@@ -147,3 +156,8 @@ class FSDPConfig:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy: 1.0)")
         if self.seed < 0:
             raise ValueError(f"seed={self.seed} must be >= 0")
+        if self.qat is not None and self.lora is not None:
+            raise ValueError(
+                "qat and lora cannot be combined: the engine would receive merged weights quantized as a "
+                "whole, while training fake-quantizes the base weight alone; drop one of them"
+            )

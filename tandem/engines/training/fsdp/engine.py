@@ -39,7 +39,14 @@ from tandem.engines.training.common import (
 from tandem.engines.training.fsdp import checkpoint as ckpt
 from tandem.engines.training.fsdp.config import FSDPConfig, OptimizerConfig
 from tandem.engines.training.fsdp.lora import adapters_disabled, apply_lora, hf_tensors
-from tandem.engines.training.fsdp.modules import CriticModel, LoadedLM, PolicyModel, decoder_layers, load_lm
+from tandem.engines.training.fsdp.modules import (
+    CriticModel,
+    LoadedLM,
+    PolicyModel,
+    apply_quantization,
+    decoder_layers,
+    load_lm,
+)
 from tandem.engines.training.fsdp.parallel import (
     apply_fsdp,
     enable_activation_checkpointing,
@@ -135,6 +142,8 @@ class FSDPEngine:
                 f"deterministic=True needs the native packed model; {config.model.name} runs on the HF "
                 "fallback (packing=False or an unsupported architecture)"
             )
+        if config.qat is not None:  # before sharding: QATLinear replaces plain nn.Linear modules
+            apply_quantization(loaded, config.qat)
         if config.lora is not None:
             apply_lora(loaded.lm, config.lora)
         self.policy = _Trainable(
@@ -163,6 +172,8 @@ class FSDPEngine:
         if rc is None or (self.config.lora is not None and rc.model is None):
             return None  # no reference, or the LoRA policy with adapters off
         loaded = load_lm(rc.model or self.config.model, packing=self.config.packing)
+        if self.config.qat is not None:  # KL against the quantized initial policy, as the rollout sees it
+            apply_quantization(loaded, self.config.qat)
         loaded.lm.requires_grad_(False)
         offload = rc.cpu_offload and self.ctx.device.type == "cuda"
         return self._shard(PolicyModel(loaded), loaded, trainable=False, offload=offload).eval()
@@ -311,7 +322,9 @@ class FSDPEngine:
         Collective under FSDP: every rank must drain the iterator, and every rank receives the same
         full tensors (on its device; a colocated inference engine per rank can use them directly; a
         sync that sends from rank 0 ignores the others). With LoRA: merged weights, or the adapter
-        tensors alone (peft names) when ``lora.sync == "adapter"``.
+        tensors alone (peft names) when ``lora.sync == "adapter"``. With ``qat``: the full-precision
+        master weights; the engine (``quantization``) or the sync (``sync.quantize``) quantizes them
+        with the same op as the forward, so it serves the forward's weights.
         """
         adapter_only = self.config.lora is not None and self.config.lora.sync == "adapter"
         gather = partial(full_tensor, device=self.ctx.device)

@@ -20,6 +20,8 @@ import torch
 from torch import nn
 
 from tandem.engines.training.common import MicroBatch
+from tandem.kernels.config import QuantConfig
+from tandem.kernels.qat import apply_qat, qat_targets
 from tandem.models.attention import MoERouting
 from tandem.models.logprobs import token_logprobs
 from tandem.models.registry import ModelConfig, resolve_model
@@ -28,7 +30,7 @@ from tandem.ops.batch_invariant import packed_attention
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CriticModel", "LoadedLM", "PolicyModel", "decoder_layers", "load_lm"]
+__all__ = ["CriticModel", "LoadedLM", "PolicyModel", "apply_quantization", "decoder_layers", "load_lm"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -65,6 +67,19 @@ def load_lm(cfg: ModelConfig, *, packing: bool) -> LoadedLM:
         )
     ctx = getattr(lm.config, "max_position_embeddings", None) or getattr(lm.config, "n_positions", None)
     return LoadedLM(lm=lm, native=False, path=str(path), max_context=ctx)
+
+
+def apply_quantization(loaded: LoadedLM, cfg: QuantConfig) -> list[str]:
+    """QAT on the LM's targeted linears, in place; call before sharding. Returns their names.
+
+    The output projection cannot be a target: log-probs read its weight directly, not through the
+    module's forward. Raises ValueError for it and for a target pattern that matches nothing.
+    """
+    lm = loaded.lm
+    head = lm.lm_head if loaded.native else lm.get_output_embeddings()
+    head_name = next((name for name, m in lm.named_modules() if m is head), None)
+    qat_targets(lm, cfg, output_module=head_name)
+    return apply_qat(lm, cfg)
 
 
 def decoder_layers(lm: nn.Module, native: bool) -> list[nn.Module]:
