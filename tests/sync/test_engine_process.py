@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 
 from tandem.sync import SyncError
 from tandem.sync.broadcast import BroadcastSender
-from tests.engines.training.helpers import free_port, run_workers
+from tests.engines.training.helpers import free_port, free_ports, run_workers
 from tests.sync import e2e_workers
 from tests.sync.engine_worker import EngineProcess, crashing_sender_main, wait_for_file
 from tests.sync.sinks import perturbed_weights, weight_buckets
@@ -38,10 +38,12 @@ def engine_proc(tmp_path_factory):
 def trained(engine_proc, tmp_path_factory):
     """Run the trainer ranks against the engine process; return rank 0's records."""
     out, disk = engine_proc.out, tmp_path_factory.mktemp("disk")
-    port = free_port()
+    # distinct ports: the engine polls the sync port before the trainer hosts it, and must never reach
+    # the trainer's own rendezvous store instead
+    port, master_port = free_ports(2)
     assert engine_proc.call("disk", directory=str(disk)) == "ok"
     engine_proc.send("broadcast", rank=1, num_receivers=1, port=port)  # connects once rank 0 hosts the store
-    run_workers(e2e_workers.trainer_main, 2, str(out), port, str(disk), HAS_RAY)
+    run_workers(e2e_workers.trainer_main, 2, str(out), port, str(disk), HAS_RAY, master_port=master_port)
     assert engine_proc.reply() == "ok"
     records = json.loads((out / "trainer.json").read_text())
     engine_proc.call("stop", name="broadcast")

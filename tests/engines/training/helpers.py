@@ -138,9 +138,19 @@ def max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free ports: the sockets are held together, so two calls' ports cannot collide."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
@@ -158,10 +168,11 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> 
         dist.destroy_process_group()
 
 
-def run_workers(fn: Callable, world_size: int, *args) -> None:
+def run_workers(fn: Callable, world_size: int, *args, master_port: int | None = None) -> None:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes joined by gloo.
 
     ``fn`` must be importable (module level); results travel through files the caller names in
     ``args``. Raises if any worker fails.
     """
-    mp.start_processes(_entry, args=(fn, world_size, free_port(), args), nprocs=world_size, start_method="spawn")
+    port = master_port or free_port()
+    mp.start_processes(_entry, args=(fn, world_size, port, args), nprocs=world_size, start_method="spawn")
