@@ -157,6 +157,29 @@ def test_cancelling_agenerate_aborts_its_request():
     assert 10 <= health["generated_tokens"] < 400
 
 
+def test_agenerate_callers_arriving_late_join_one_batch():
+    """Callers that reach `agenerate` a few loop iterations apart (as through an HTTP stack) decode
+    together: one driver steps once per loop iteration, so a late caller misses only those steps. If
+    every waiting caller drove a step per iteration, the batch would run ahead by up to 8 steps per
+    iteration and the late callers would decode alone afterwards."""
+    n, new_tokens = 8, 16
+
+    async def scenario(engine):
+        async def late(i: int, request):
+            for _ in range(i):  # caller i arrives i loop iterations after the first
+                await asyncio.sleep(0)
+            return await engine.agenerate(request)
+
+        reqs = requests(prompts([6] * n), temperature=1.0, max_new_tokens=new_tokens, seed=0)
+        return await asyncio.gather(*(late(i, r) for i, r in enumerate(reqs)))
+
+    with make_engine(max_model_len=128) as engine:
+        results = asyncio.run(scenario(engine))
+        steps = engine.health()["steps"]
+    assert all(len(r.completions[0].token_ids) == new_tokens for r in results)
+    assert steps <= new_tokens + n, f"{steps} steps for {n} requests of {new_tokens} tokens"
+
+
 def test_abort_all_covers_waiting_requests():
     with make_engine(max_num_seqs=1, max_model_len=512) as engine:
         reqs = requests(prompts([5, 6, 7]), temperature=1.0, max_new_tokens=400, seed=0)
