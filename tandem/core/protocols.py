@@ -7,7 +7,10 @@ token ids + log-probs out, never text.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
+import math
+import numbers
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +46,16 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # the request was invalid or failed; `error` says why
 
 
+# The numeric fields an engine receives from untrusted requests (a bool is refused: it is an int).
+_SAMPLING_TYPES = {
+    "temperature": numbers.Real,
+    "top_p": numbers.Real,
+    "top_k": numbers.Integral,
+    "max_new_tokens": numbers.Integral,
+    "n": numbers.Integral,
+}
+
+
 @dataclass(kw_only=True, slots=True)
 class SamplingParams:
     """How to sample one request. ``top_k <= 0`` and ``top_p >= 1`` disable those filters.
@@ -63,6 +76,31 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     return_routed_experts: bool = False
+
+    @classmethod
+    def coerce(cls, sampling: SamplingParams | dict[str, Any]) -> SamplingParams:
+        """``sampling`` (the dataclass or a dict of its fields) type-checked and validated.
+
+        Raises ValueError naming the bad key or value: an engine turns it into that request's error.
+        """
+        if isinstance(sampling, dict):
+            keys = [f.name for f in dataclasses.fields(cls)]
+            unknown = sorted(set(sampling) - set(keys))
+            if unknown:
+                raise ValueError(f"unknown sampling key {unknown[0]!r} (valid keys: {', '.join(keys)})")
+            sampling = cls(**sampling)
+        if not isinstance(sampling, cls):
+            raise ValueError(f"sampling must be SamplingParams or a dict, got {type(sampling).__name__}")
+        for name, kind in _SAMPLING_TYPES.items():
+            value = getattr(sampling, name)
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise ValueError(f"{name}={value!r} must be {'a number' if kind is numbers.Real else 'an integer'}")
+        if sampling.seed is not None and (isinstance(sampling.seed, bool) or not isinstance(sampling.seed, int)):
+            raise ValueError(f"seed={sampling.seed!r} must be an integer or None")
+        sampling.validate()
+        if not math.isfinite(sampling.temperature):
+            raise ValueError(f"temperature={sampling.temperature} must be finite")
+        return sampling
 
     def validate(self) -> SamplingParams:
         if self.temperature < 0:

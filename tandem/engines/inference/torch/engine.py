@@ -24,10 +24,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import dataclasses
 import logging
-import math
-import numbers
 import random
 import threading
 import time
@@ -62,16 +59,6 @@ from tandem.ops.linear import fast_linear_mode, pack_weights, repack
 __all__ = ["EngineAsleepError", "TorchEngine"]
 
 log = logging.getLogger(__name__)
-
-_SAMPLING_KEYS = tuple(f.name for f in dataclasses.fields(SamplingParams))
-_SAMPLING_TYPES = {
-    "temperature": numbers.Real,
-    "top_p": numbers.Real,
-    "top_k": numbers.Integral,
-    "max_new_tokens": numbers.Integral,
-    "n": numbers.Integral,
-}
-
 
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
     """Copy ``source`` into ``target`` in place. Same-dtype CPU tensors go through numpy: measured
@@ -421,28 +408,10 @@ class TorchEngine:
 
     def _check(self, request: GenerationRequest) -> tuple[list[int], SamplingParams] | str:
         """The validated prompt and sampling parameters, or the error message for this request."""
-        sampling = request.sampling
-        if isinstance(sampling, dict):
-            unknown = sorted(set(sampling) - set(_SAMPLING_KEYS))
-            if unknown:
-                return f"unknown sampling key {unknown[0]!r} (valid keys: {', '.join(_SAMPLING_KEYS)})"
-            sampling = SamplingParams(**sampling)
-        if not isinstance(sampling, SamplingParams):
-            return f"sampling must be SamplingParams or a dict, got {type(sampling).__name__}"
-        for name, kind in _SAMPLING_TYPES.items():
-            value = getattr(sampling, name)
-            if isinstance(value, bool) or not isinstance(value, kind):
-                return f"{name}={value!r} must be {'a number' if kind is numbers.Real else 'an integer'}"
-        if sampling.seed is not None and (
-            isinstance(sampling.seed, bool) or not isinstance(sampling.seed, int)
-        ):
-            return f"seed={sampling.seed!r} must be an integer or None"
         try:
-            sampling.validate()
+            sampling = SamplingParams.coerce(request.sampling)
         except ValueError as e:
             return str(e)
-        if not math.isfinite(sampling.temperature):
-            return f"temperature={sampling.temperature} must be finite"
         vocab = self.model.args.vocab_size
         bad_stop = [
             t for t in sampling.stop_token_ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab
