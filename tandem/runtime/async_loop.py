@@ -53,7 +53,14 @@ class _Producer(threading.Thread):
             asyncio.run(self._main())
         except BaseException as e:  # noqa: BLE001 - surfaced to the trainer thread
             self.error = e
-            self.out.put(_STOP)
+            # a blocking put into a full queue would keep this thread (and the trainer's join) waiting
+            # if the trainer stops first, e.g. because it found the engine process dead while syncing
+            while not self.stop_event.is_set():
+                try:
+                    self.out.put(_STOP, timeout=0.1)
+                    return
+                except queue.Full:
+                    pass
 
     async def _main(self) -> None:
         cfg = self.run_.cfg
@@ -63,8 +70,11 @@ class _Producer(threading.Thread):
             while len(tasks) < in_flight and not self.stop_event.is_set():
                 tasks.add(asyncio.create_task(self._one_group()))
             done, tasks = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-            for t in done:
-                t.result()  # re-raise producer errors
+            # one error is raised; reading them all keeps asyncio from logging the others (a dead engine
+            # fails every group in flight at once)
+            failed = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
+            if failed:
+                raise failed[0]
         for t in tasks:
             t.cancel()
 

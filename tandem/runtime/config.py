@@ -12,6 +12,7 @@ from typing import Literal
 
 from tandem.core.algorithm import AlgorithmConfig
 from tandem.engines.inference.torch.config import TorchEngineConfig
+from tandem.engines.inference.vllm.config import VLLMEngineConfig
 from tandem.engines.training.fsdp.config import FSDPConfig
 from tandem.engines.training.megatron.config import MegatronConfig
 from tandem.models.registry import ModelConfig
@@ -114,8 +115,9 @@ class TrainerSection:
 
 @dataclass(kw_only=True, slots=True)
 class InferenceSection:
-    engine: Literal["torch"] = "torch"
+    engine: Literal["torch", "vllm"] = "torch"
     torch: TorchEngineConfig | None = None  # its `model` defaults to the run's model
+    vllm: VLLMEngineConfig | None = None  # likewise (docs/vllm.md; needs vllm installed)
 
 
 @dataclass(kw_only=True, slots=True)

@@ -8,8 +8,9 @@ its position (step, weight version) and its outputs (metrics, checkpoints, rollo
   weights reach the engine between rollouts, so training data is exactly one version old.
 * ``fully_async``: see `tandem.runtime.async_loop`.
 
-Colocated placement (one process) puts the engine to sleep (KV cache freed) while the trainer trains.
-Every phase is timed (``time/<phase>_s``) and shown in a progress bar.
+Placement: ``colocated`` (one process) puts the engine to sleep (KV cache freed) while the trainer
+trains and syncs in-process; ``separate`` runs the engine in its own process (`RemoteEngine`) and syncs
+by broadcast or disk. Every phase is timed (``time/<phase>_s``) and shown in a progress bar.
 """
 
 from __future__ import annotations
@@ -59,10 +60,7 @@ class Run:
                 f"{run_dir} already holds a run: continue it with --resume {run_dir}, pick another --run-dir, "
                 "or pass --overwrite to replace it"
             )
-        if cfg.runtime.placement != "colocated":
-            raise NotImplementedError(
-                "runtime.placement='separate' is not available in this build: trainer and engine run colocated"
-            )
+        builders.check_placement(cfg)
         self.cfg = cfg
         self.run_dir = run_dir
         if overwrite and not resume:
@@ -74,14 +72,24 @@ class Run:
         self.data = DataSource(cfg.data, self.tokenizer)
         self.rewards = RewardHub(cfg.reward)
         self.generate_fn = builders.resolve_generate(cfg.rollout.generate)
+        self.separate = cfg.runtime.placement == "separate"
+        if self.separate:  # the engine process starts while this one builds the trainer
+            self.engine, self.sync = builders.build_separate(cfg)
+        try:
+            self._init_components(resume)
+        except BaseException:
+            if self.separate:
+                self._close_engine()
+            raise
+
+    def _init_components(self, resume: bool) -> None:
+        cfg = self.cfg
         self.trainer = builders.build_training_engine(cfg)
-        self.engine = builders.build_inference_engine(cfg)
-        if cfg.sync.transport != "inprocess":  # other transports need the separate placement
-            raise NotImplementedError(
-                f"sync.transport={cfg.sync.transport!r} needs runtime.placement='separate'; colocated runs "
-                "sync in-process"
-            )
-        self.sync = build_sender(cfg.sync, engine=self.engine)
+        if self.separate:
+            self.engine.wait_ready()
+        else:
+            self.engine = builders.build_inference_engine(cfg)
+            self.sync = build_sender(cfg.sync, engine=self.engine)
         self.kl_ctl = cfg.algorithm.kl_controller()
         self.contract = run_contract(cfg, self.trainer, self.engine)
         self.contract_check = ContractCheck(contract=self.contract, on_violation=cfg.algorithm.contract.on_violation)
@@ -100,7 +108,7 @@ class Run:
             self.kl_ctl.load_state_dict(state["kl"])
             resume_step = self.step - 1
             # The engine starts from the model files; bring it to the checkpoint's weights.
-            self.sync.send(self.trainer.named_parameters_for_sync(cfg.sync.bucket_bytes), self.version)
+            self._push_weights(self.version)
             log.info("resumed %s at step %d (weight version %d)", ckpt, self.step, self.version)
         save_config(cfg, self.run_dir / "config.yaml")
         self.tracker = Tracker(cfg.tracking, self.run_dir, run_name=cfg.run.name, resume_step=resume_step,
@@ -221,9 +229,23 @@ class Run:
         """Send the trainer's weights as the next version; the version moves only once the engine has it."""
         t0 = time.perf_counter()
         version = self.version + 1
-        metrics = self.sync.send(self.trainer.named_parameters_for_sync(self.cfg.sync.bucket_bytes), version)
+        metrics = self._push_weights(version)
         self.version = version
         return metrics | {"time/sync_s": time.perf_counter() - t0, "sync/version": float(self.version)}
+
+    def _push_weights(self, version: int) -> dict[str, float]:
+        buckets = self.trainer.named_parameters_for_sync(self.cfg.sync.bucket_bytes)
+        if not self.separate:
+            return self.sync.send(buckets, version)
+
+        def send() -> dict[str, float]:
+            metrics = self.sync.send(buckets, version)
+            # disk applies in the engine's own time; broadcast has applied when send returns
+            self.engine.wait_for_version(version, timeout_s=self.cfg.sync.timeout_s)
+            return metrics
+
+        # a collective with a dead engine process would wait sync.timeout_s: fail as soon as it dies
+        return self.engine.run_while_alive(send, what="weight sync")
 
     # -- modes ----------------------------------------------------------------------------------------
 
@@ -244,9 +266,14 @@ class Run:
         finally:
             self.tracker.close()
             self.rewards.close()
-            self.engine.close()
+            self._close_engine()
             getattr(self.trainer, "close", lambda: None)()  # e.g. Megatron's process-wide state
         return {"steps": self.step, "wall_s": time.perf_counter() - t0, "run_dir": str(self.run_dir)}
+
+    def _close_engine(self) -> None:
+        if not self.separate or self.engine.alive:
+            self.sync.close()  # a receiver in the engine process stops waiting for updates
+        self.engine.close()
 
     def _wake(self) -> None:
         if self._asleep:
@@ -254,7 +281,8 @@ class Run:
             self._asleep = False
 
     def _sleep(self) -> None:
-        if not self._asleep:
+        # a separate engine keeps its memory; so does one without a sleep mode (vLLM on CPU)
+        if not self._asleep and not self.separate and getattr(self.engine, "supports_sleep", True):
             self.engine.sleep()
             self._asleep = True
 
