@@ -32,7 +32,9 @@ from tandem.sync.inprocess import InProcessSync  # noqa: E402
 TEMPERATURE = 0.9
 TIS_CAP = 1.02  # small, so that the bf16/fp32 mismatch actually truncates some weights
 # the registered bound of the pair (measured on this model and SmolLM2, tandem/core/contracts.py)
-VLLM_BOUND = next(e.contract.tolerance for e in CONTRACTS if (e.trainer, e.engine) == ("fsdp", "vllm"))
+# vLLM in bf16, the trainer in fp32: the pair's general (mixed-dtype) bound
+VLLM_BOUND = next(e.contract.tolerance for e in CONTRACTS
+                  if (e.trainer, e.engine) == ("fsdp", "vllm") and e.dtype is None)
 
 
 def _reward(sample) -> float:

@@ -60,6 +60,16 @@ def test_registry_resolution_and_startup_errors():
         resolve_contract(_settings(engine="vllm"), ContractConfig(expect="exact"))
 
 
+def test_bounded_pairs_have_a_tighter_bound_when_both_sides_compute_in_fp32():
+    for trainer, engine in [("fsdp", "vllm"), ("megatron", "torch")]:
+        fp32 = resolve_contract(_settings(trainer=trainer, engine=engine), ContractConfig())
+        bf16 = resolve_contract(_settings(trainer=trainer, engine=engine, trainer_dtype="bfloat16",
+                                          engine_dtype="bfloat16"), ContractConfig())
+        mixed = resolve_contract(_settings(trainer=trainer, engine=engine, engine_dtype="bfloat16"), ContractConfig())
+        assert fp32.relation == bf16.relation == mixed.relation == "bounded"
+        assert fp32.tolerance == 1e-3 and bf16.tolerance == mixed.tolerance > 0.05
+
+
 def _batch(rollout: list[list[float]]) -> TrainBatch:
     samples = [Sample(tokens=[1, 2] + [3] * len(r), response_length=len(r), rollout_log_probs=r, index=10 + i)
                for i, r in enumerate(rollout)]

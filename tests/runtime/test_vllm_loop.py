@@ -25,7 +25,13 @@ from tandem.runtime.tracking import read_metrics  # noqa: E402
 RECIPE = Path(__file__).parents[2] / "recipes" / "tiny" / "grpo-sync.yaml"
 # fp32 on both sides: measured |vLLM - native forward| <= ~1e-5 on this model (tests/engines/test_vllm_engine.py)
 FP32_GAP = 1e-4
-VLLM_BOUND = next(e.contract.tolerance for e in CONTRACTS if (e.trainer, e.engine) == ("fsdp", "vllm"))
+def _vllm_bound(dtype: str) -> float:
+    """The registered bound for an fp32 trainer with vLLM in ``dtype`` (first matching entry)."""
+    return next(e.contract.tolerance for e in CONTRACTS
+                if (e.trainer, e.engine) == ("fsdp", "vllm") and e.dtype in (None, dtype))
+
+
+VLLM_BOUND = _vllm_bound("bfloat16")
 
 
 def _cfg(dtype: str, *overrides: str) -> RunConfig:
@@ -47,7 +53,7 @@ def test_two_grpo_steps_with_vllm_rollouts(tmp_path, dtype):
     bf16 vLLM: the gap is logged, nonzero, within the registered bound, and TIS weights the loss."""
     extra = ["algorithm.off_policy.mode=tis", "algorithm.off_policy.tis_cap=1.02"] if dtype == "bfloat16" else []
     run = Run(_cfg(dtype, *extra), tmp_path)
-    assert run.contract.relation == "bounded" and run.contract.tolerance == VLLM_BOUND
+    assert run.contract.relation == "bounded" and run.contract.tolerance == _vllm_bound(dtype)
     run.train()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1]
