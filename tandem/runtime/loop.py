@@ -264,11 +264,25 @@ class Run:
 
                     train_fully_async(self)
         finally:
-            self.tracker.close()
-            self.rewards.close()
-            self._close_engine()
-            getattr(self.trainer, "close", lambda: None)()  # e.g. Megatron's process-wide state
+            self.close()
         return {"steps": self.step, "wall_s": time.perf_counter() - t0, "run_dir": str(self.run_dir)}
+
+    def close(self) -> None:
+        """Release the trackers, reward workers, engine and trainer; `train` ends with it. Idempotent:
+        a caller that builds a `Run` and stops before `train` (a failed check) closes it too."""
+        if getattr(self, "_closed", False):
+            return
+        self._closed = True
+        self.tracker.close()
+        self.rewards.close()
+        self._close_engine()
+        getattr(self.trainer, "close", lambda: None)()  # e.g. Megatron's process-wide state
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _close_engine(self) -> None:
         if not self.separate or self.engine.alive:

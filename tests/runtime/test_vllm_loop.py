@@ -48,11 +48,12 @@ def _cfg(dtype: str, *overrides: str) -> RunConfig:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_two_grpo_steps_with_vllm_rollouts(tmp_path, dtype):
+def test_two_grpo_steps_with_vllm_rollouts(tmp_path, dtype, request):
     """fp32 vLLM: step 1's rollout log-probs match the trained weights (so the sync reached vLLM);
     bf16 vLLM: the gap is logged, nonzero, within the registered bound, and TIS weights the loss."""
     extra = ["algorithm.off_policy.mode=tis", "algorithm.off_policy.tis_cap=1.02"] if dtype == "bfloat16" else []
     run = Run(_cfg(dtype, *extra), tmp_path)
+    request.addfinalizer(run.close)  # a failed check before train() must not leave vLLM open
     assert run.contract.relation == "bounded" and run.contract.tolerance == _vllm_bound(dtype)
     run.train()
     rows = read_metrics(tmp_path)
