@@ -38,6 +38,7 @@ from tandem.rollout.data import DataSource
 from tandem.runtime import builders
 from tandem.runtime.checkpoint import latest_checkpoint, load_run_state, save_run_checkpoint
 from tandem.runtime.config import RunConfig
+from tandem.runtime.engine_wire import EngineProcessError
 from tandem.runtime.metrics import rollout_metrics, staleness_metrics
 from tandem.runtime.policy import merge_mini_batch_metrics, mini_batch_rows, old_log_prob_source, run_contract
 from tandem.runtime.progress import Progress
@@ -245,7 +246,14 @@ class Run:
             return metrics
 
         # a collective with a dead engine process would wait sync.timeout_s: fail as soon as it dies
-        return self.engine.run_while_alive(send, what="weight sync")
+        try:
+            return self.engine.run_while_alive(send, what="weight sync")
+        except EngineProcessError:
+            # release the abandoned send's wait for the dead receiver: a thread left inside a C++
+            # rendezvous would also abort the interpreter at exit
+            sender = getattr(self.sync, "sender", self.sync)  # under a quantize-on-send wrapper
+            getattr(sender, "cancel", lambda: None)()
+            raise
 
     # -- modes ----------------------------------------------------------------------------------------
 

@@ -32,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,6 +63,7 @@ MAGIC = 0x54414E44  # "TAND"
 COMMIT, ABORT = -1, -2
 SESSION_KEY = "tandem-sync/session"  # "<sender token>:<generation>", the group to join
 CLOSED_KEY = "tandem-sync/closed"
+_JOINING = "tandem-sync/joining"  # "<prefix>/<session>/<rank>": a receiver is forming that session's group
 _POLL_S = 0.001  # NCCL: sleep between completion checks of a collective
 _ABORT_EVERY = 50  # NCCL: check the store's abort key every this many polls
 _ABORT_CHECK_S = 0.1  # gloo: check the store's abort key this often while waiting on a collective
@@ -146,12 +148,14 @@ class BroadcastSender:
         self._broken: list[_Group] = []
         self._pool = BufferPool(self.device)
         self._last_buckets = 0
+        self._cancelled = threading.Event()
 
     def _connect(self) -> _Group:
         if self._group is None:
             self._generation += 1
             session = f"{self._token}:{self._generation}"
             self.store.set(SESSION_KEY, session)
+            self._await_receivers(session)
             try:
                 self._group = _Group(self.store, session, 0, self.num_receivers + 1, self.timeout_s, self.device)
             except Exception as e:
@@ -160,6 +164,26 @@ class BroadcastSender:
                     f"({type(e).__name__}: {e})"
                 ) from e
         return self._group
+
+    def _await_receivers(self, session: str) -> None:
+        """Wait for every receiver to announce itself before forming the process group, in short polls:
+        the group's own rendezvous blocks in C++ for ``timeout_s``, and a thread stuck there (a receiver
+        that died first) cannot be interrupted, which also aborts the interpreter if it exits meanwhile."""
+        keys = [f"{_JOINING}/{session}/{r}" for r in range(1, self.num_receivers + 1)]
+        deadline = time.monotonic() + self.timeout_s
+        while not self.store.check(keys):
+            if self._cancelled.is_set():
+                raise SyncError("broadcast sync cancelled (the sender was told its receivers are gone)")
+            if time.monotonic() >= deadline:
+                raise SyncError(
+                    f"broadcast sync: {self.num_receivers} receiver(s) did not join within {self.timeout_s}s"
+                )
+            time.sleep(_IDLE_POLL_S)
+
+    def cancel(self) -> None:
+        """Stop waiting for receivers that will not come (e.g. the engine process died); a `send`
+        waiting for them raises `SyncError` within a poll interval, and later sends fail at once."""
+        self._cancelled.set()
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> dict[str, float]:
         """Stream ``buckets`` to every receiver as update ``version``; raise `SyncError` on failure."""
@@ -327,6 +351,7 @@ class BroadcastReceiver:
             time.sleep(_IDLE_POLL_S)
         self._seen_session = session
         try:
+            self.store.set(f"{_JOINING}/{session}/{self.rank}", "1")  # the sender forms the group once all did
             self._group = _Group(self.store, session, self.rank, self.size, self.timeout_s, self.device)
         except Exception as e:
             raise SyncError(f"could not join sync group {session}: {type(e).__name__}: {e}") from e

@@ -201,3 +201,31 @@ def test_gpu_transports_need_a_gpu():
         CupyNcclSender(num_receivers=1)
     with pytest.raises(SyncUnavailableError, match="needs a GPU"):
         BroadcastSender(num_receivers=1, device="cuda")
+
+
+def test_a_send_waiting_for_receivers_that_never_come_can_be_cancelled():
+    """The engine process died before joining: the trainer cancels the wait instead of leaving a thread
+    stuck in the group's C++ rendezvous for timeout_s (which also aborts the interpreter at exit)."""
+    import threading
+
+    sender = BroadcastSender(num_receivers=1, timeout_s=60)
+    errors: list[BaseException] = []
+
+    def send():
+        try:
+            sender.send(weight_buckets(perturbed_weights(1)), 1)
+        except BaseException as e:  # noqa: BLE001 - checked below
+            errors.append(e)
+
+    thread = threading.Thread(target=send, daemon=True)
+    thread.start()
+    time.sleep(0.3)
+    assert thread.is_alive()  # still waiting for its receiver
+    t0 = time.monotonic()
+    sender.cancel()
+    thread.join(5)
+    assert not thread.is_alive() and time.monotonic() - t0 < 2
+    assert len(errors) == 1 and isinstance(errors[0], SyncError) and "cancelled" in str(errors[0])
+    with pytest.raises(SyncError, match="cancelled"):
+        sender.send(weight_buckets(perturbed_weights(2)), 2)
+    sender.close(wait_s=0)
