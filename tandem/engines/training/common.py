@@ -18,17 +18,20 @@ values into response space ``[b, R]`` (zeros on padding).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+import os
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from tandem.core.batch import TrainBatch, partition_by_token_budget
 from tandem.core.protocols import LossScale
+from tandem.sync.base import bucketize
 
 __all__ = [
     "MicroBatch",
     "bucket_by_bytes",
+    "pick_device",
     "check_batch",
     "dummy_micro_batch",
     "local_loss_scale",
@@ -217,20 +220,18 @@ def split_for_data_parallel(batch: TrainBatch, num_ranks: int) -> list[list[int]
     return [sorted(s) for s in shards]
 
 
-def bucket_by_bytes(
-    named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
-) -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Group ``(name, tensor)`` pairs into lists of at most ``bucket_bytes`` (a bigger tensor goes alone)."""
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes={bucket_bytes} must be > 0")
-    bucket: list[tuple[str, torch.Tensor]] = []
-    size = 0
-    for name, t in named:
-        n = t.numel() * t.element_size()
-        if bucket and size + n > bucket_bytes:
-            yield bucket
-            bucket, size = [], 0
-        bucket.append((name, t))
-        size += n
-    if bucket:
-        yield bucket
+def pick_device(preference: str) -> torch.device:
+    """The training device for ``"auto" | "cpu" | "cuda"``; on CUDA, this rank's local GPU (set current)."""
+    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
+    if not use_cuda:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError("device='cuda' but CUDA is not available on this machine")
+    local = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
+    index = local % torch.cuda.device_count()
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+# Engines bucket their sync tensors with the sync layer's own function (one rule for every sender).
+bucket_by_bytes = bucketize

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from tandem.engines.training.common import pick_device
 from tandem.engines.training.fsdp.config import ParallelConfig
 from tandem.models.registry import DTYPES
 
@@ -70,18 +71,6 @@ class DistContext:
             dist.barrier()
 
 
-def _pick_device(preference: str) -> torch.device:
-    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
-    if not use_cuda:
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("device='cuda' but CUDA is not available on this machine")
-    local = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
-    index = local % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
 def init_distributed(cfg: ParallelConfig, device_preference: str) -> DistContext:
     """Join (or create, under torchrun) the process group and build the data-parallel mesh.
 
@@ -94,7 +83,7 @@ def init_distributed(cfg: ParallelConfig, device_preference: str) -> DistContext
         if backend == "auto":
             backend = "nccl" if device_preference != "cpu" and torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
-    device = _pick_device(device_preference)
+    device = pick_device(device_preference)
     if not dist.is_initialized():
         if cfg.replicate != 1:
             raise ValueError(f"replicate={cfg.replicate} needs a process group of at least that many ranks")

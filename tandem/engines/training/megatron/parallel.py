@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.engines.training.common import pick_device
+
 __all__ = ["MegatronContext", "init_model_parallel"]
 
 
@@ -94,18 +96,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _pick_device(preference: str) -> torch.device:
-    use_cuda = preference == "cuda" or (preference == "auto" and torch.cuda.is_available())
-    if not use_cuda:
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise ValueError("device='cuda' but CUDA is not available on this machine")
-    local = int(os.environ.get("LOCAL_RANK", dist.get_rank() if dist.is_initialized() else 0))
-    index = local % torch.cuda.device_count()
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
 
 
 def _ensure_process_group(backend: str, device_preference: str) -> bool:
@@ -198,7 +188,7 @@ def init_model_parallel(
     return MegatronContext(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
-        device=_pick_device(device),
+        device=pick_device(device),
         tp_size=tp,
         tp_rank=ps.get_tensor_model_parallel_rank(),
         pp_size=pp,
