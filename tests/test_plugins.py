@@ -43,3 +43,12 @@ def test_registry_names_and_paths():
     assert reg.resolve("tests.test_plugins:two_args") is two_args
     with pytest.raises(PluginError, match=r"unknown reward 'nope' \(choose one of: sum"):
         reg.resolve("nope")
+
+
+def test_plugins_re_exports_the_core_registry():
+    """`tandem.core` cannot import `tandem.plugins`; both must be one implementation, one error class."""
+    from tandem import plugins
+    from tandem.core import registry
+
+    for name in ("PluginError", "Registry", "load_callable", "check_arity"):
+        assert getattr(plugins, name) is getattr(registry, name)

@@ -13,6 +13,9 @@ the mask. Estimators (formulas and peer defaults in docs/algorithms.md):
 * ``distill``: zero base advantage; with ``distill_coef`` > 0 every estimator adds the on-policy
   distillation term ``-coef * (log pi_student - log pi_teacher)`` per token
 
+Estimators are registered in ``ADVANTAGE_ESTIMATORS`` as `AdvantageEstimatorSpec`s; a user adds one by
+import path (``advantage.estimator: my.module:MY_SPEC``, its settings under ``advantage.options``).
+
 Token-level estimators place the scalar reward on the last trained token of each row. Tokens with mask
 0 inside a response (tool output in a multi-turn trajectory) are skipped by the recurrences: they get
 no reward, no discount and no value, as in verl's GAE.
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal
 
 import torch
 
@@ -37,11 +40,14 @@ from tandem.core.masked import (
     masked_whiten,
     metrics_to_floats,
 )
+from tandem.core.registry import SpecRegistry, build_options
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
     "AdvantageConfig",
-    "AdvantageEstimatorName",
+    "AdvantageEstimatorSpec",
+    "AdvantageInputs",
+    "EstimatorFn",
     "compute_advantages",
     "discounted_returns",
     "gae_advantages",
@@ -51,17 +57,20 @@ __all__ = [
     "rloo_advantages",
 ]
 
-AdvantageEstimatorName = Literal[
-    "grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "reinforce_pp_baseline", "gae", "distill"
-]
-_WHITEN_BY_DEFAULT = {"reinforce_pp", "reinforce_pp_baseline", "gae"}
-
 
 @dataclass(kw_only=True, slots=True)
 class AdvantageConfig:
-    """How advantages (and returns) are computed from rewards. Defaults match verl's GRPO."""
+    """How advantages (and returns) are computed from rewards. Defaults match verl's GRPO.
 
-    estimator: AdvantageEstimatorName = "grpo"
+    ``estimator`` is a name registered in ``ADVANTAGE_ESTIMATORS`` or an import path
+    ``module.path:NAME`` of an `AdvantageEstimatorSpec`. ``options`` holds that estimator's own settings:
+    a mapping in a recipe, checked against the spec's ``config`` dataclass and replaced by an instance of
+    it on construction (None for an estimator without settings, as every built-in: their settings are
+    the fields below).
+    """
+
+    estimator: str = "grpo"
+    options: Any = None  # the estimator's own settings (see the class docstring)
     std_normalization: Literal["group", "batch", "none"] = "group"  # grpo / gspo (TRL's scale_rewards)
     std_unbiased: bool = True  # Bessel's correction, as torch.std in verl and TRL's nanstd
     std_eps: float = 1e-6  # verl; TRL uses 1e-4
@@ -71,6 +80,10 @@ class AdvantageConfig:
     distill_coef: float = 0.0  # on-policy distillation coefficient
 
     def __post_init__(self) -> None:
+        spec = self.spec  # an unknown name or a bad import path fails here, naming the value
+        self.options = build_options(
+            spec.config, self.options, owner=f"advantage estimator {self.estimator!r}"
+        )
         if self.std_eps < 0:
             raise ValueError(f"std_eps={self.std_eps} must be >= 0")
         if not 0 <= self.gamma <= 1:
@@ -79,16 +92,23 @@ class AdvantageConfig:
             raise ValueError(f"lam={self.lam} must be in [0, 1]")
         if self.distill_coef < 0:
             raise ValueError(f"distill_coef={self.distill_coef} must be >= 0")
-        if self.estimator == "distill" and self.distill_coef == 0:
-            raise ValueError("estimator='distill' needs distill_coef > 0 (the advantage would be all zero)")
+        if spec.needs_teacher and self.distill_coef == 0:
+            raise ValueError(
+                f"estimator={self.estimator!r} needs distill_coef > 0 (the advantage would be all zero)"
+            )
+
+    @property
+    def spec(self) -> AdvantageEstimatorSpec:
+        """The registered (or imported) estimator named by ``estimator``."""
+        return ADVANTAGE_ESTIMATORS.resolve(self.estimator)
 
     @property
     def whitens(self) -> bool:
-        return self.whiten if self.whiten is not None else self.estimator in _WHITEN_BY_DEFAULT
+        return self.whiten if self.whiten is not None else self.spec.whiten_by_default
 
     @property
     def uses_groups(self) -> bool:
-        return self.estimator in ("grpo", "dr_grpo", "gspo", "rloo", "reinforce_pp_baseline")
+        return self.spec.uses_groups
 
 
 # -- building blocks (tensor in, tensor out) ------------------------------------------------------
@@ -195,16 +215,23 @@ def gae_advantages(
     return adv, (adv + values) * mask
 
 
-# -- the loop-facing dispatcher -------------------------------------------------------------------
+# -- the registry of estimators -------------------------------------------------------------------
 
 
 @dataclass(slots=True)
-class _Inputs:
-    scores: torch.Tensor  # [B] rewards (minus the summed KL penalty when the KL sits in the reward)
-    rewards: torch.Tensor  # [B]
-    mask: torch.Tensor  # [B, R]
-    batch: TrainBatch
+class AdvantageInputs:
+    """What an estimator reads: ``B`` samples, ``R`` response tokens; the tensors below are float32."""
+
+    scores: torch.Tensor  # [B] rewards minus each sample's summed KL penalty (= rewards without one)
+    rewards: torch.Tensor  # [B] scalar rewards (zeros when the spec has needs_rewards=False and none came)
+    mask: torch.Tensor  # [B, R] float loss mask (1 = trained token)
+    batch: TrainBatch  # the whole batch: values, log-probs, teacher log-probs, ...
     kl_penalty: torch.Tensor | None = None  # [B, R] -coef * KL per token, when the KL is in the reward
+
+    @property
+    def group_index(self) -> torch.Tensor | None:
+        """``[B]`` int64: samples of one prompt share a value (None when the rollout gave none)."""
+        return self.batch.group_index
 
     def token_rewards(self) -> torch.Tensor:
         """``[B, R]``: the outcome reward on the last trained token, plus the per-token KL penalty."""
@@ -212,33 +239,62 @@ class _Inputs:
         return out if self.kl_penalty is None else out + self.kl_penalty
 
 
-# An estimator returns (advantages, returns): advantages [B] (one value per sample, broadcast over its
+# (inputs, cfg) -> (advantages, returns): advantages [B] (one value per sample, broadcast over its
 # tokens at the end, which keeps outcome estimators O(B)) or [B, R]; returns [B, R] or None.
-Estimator = Callable[[_Inputs, AdvantageConfig], tuple[torch.Tensor, torch.Tensor | None]]
+EstimatorFn = Callable[[AdvantageInputs, AdvantageConfig], tuple[torch.Tensor, torch.Tensor | None]]
 
 
-def _grpo(x: _Inputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, None]:
-    norm = "none" if cfg.estimator == "dr_grpo" else cfg.std_normalization
+@dataclass(frozen=True, kw_only=True, slots=True)
+class AdvantageEstimatorSpec:
+    """An advantage estimator: its function, its own settings class, and what the loop must know of it.
+
+    ``fn(inputs, cfg)`` gets an `AdvantageInputs` and the `AdvantageConfig` (``cfg.options`` is an
+    instance of ``config``, built from the recipe's ``advantage.options``; the shared fields ``gamma``,
+    ``lam``, ``std_eps`` ... are there too) and returns ``(advantages, returns)``: advantages ``[B]`` (one
+    per sample, broadcast over its trained tokens) or ``[B, R]`` (zero off the mask), returns ``[B, R]``
+    or None. `compute_advantages` then whitens, adds the distillation term and logs metrics.
+    """
+
+    fn: EstimatorFn
+    config: type | None = None  # dataclass of the estimator's settings (advantage.options); None: none
+    uses_groups: bool = False  # compares samples of a group: needs group_index, allows the zero-std filter
+    needs_critic: bool = False  # reads batch.values and returns the critic's targets: the loop runs a critic
+    whiten_by_default: bool = False  # batch whitening when advantage.whiten is null
+    needs_rewards: bool = True  # False: batch.rewards may be None (read as zeros)
+    needs_teacher: bool = False  # the advantage is the distillation term alone: distill_coef must be > 0
+
+
+ADVANTAGE_ESTIMATORS: SpecRegistry[AdvantageEstimatorSpec] = SpecRegistry(
+    "advantage estimator", AdvantageEstimatorSpec, required_params=2
+)
+
+
+def _grpo(x: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, None]:
     adv = grpo_advantages(
-        x.scores, x.batch.group_index, std_normalization=norm, unbiased=cfg.std_unbiased, eps=cfg.std_eps
-    )
+        x.scores, x.group_index, std_normalization=cfg.std_normalization, unbiased=cfg.std_unbiased,
+        eps=cfg.std_eps,
+    )  # fmt: skip
     return adv, None
 
 
-def _rloo(x: _Inputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, None]:
-    return rloo_advantages(x.scores, x.batch.group_index), None
+def _dr_grpo(x: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, None]:
+    return grpo_advantages(x.scores, x.group_index, std_normalization="none"), None
 
 
-def _reinforce_pp(x: _Inputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _rloo(x: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, None]:
+    return rloo_advantages(x.scores, x.group_index), None
+
+
+def _reinforce_pp(x: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     returns = discounted_returns(x.token_rewards(), x.mask, cfg.gamma)
     return returns, returns
 
 
-def _reinforce_pp_baseline(x: _Inputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, None]:
-    return grpo_advantages(x.scores, x.batch.group_index, std_normalization="none"), None
+def _reinforce_pp_baseline(x: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, None]:
+    return grpo_advantages(x.scores, x.group_index, std_normalization="none"), None
 
 
-def _gae(x: _Inputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def _gae(x: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     values = x.batch.values
     if values is None:
         raise ValueError("estimator 'gae' needs batch.values (the critic's values at rollout time), got None")
@@ -247,21 +303,23 @@ def _gae(x: _Inputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, torch.Tensor]:
     return gae_advantages(x.token_rewards(), values.to(x.mask.dtype), x.mask, gamma=cfg.gamma, lam=cfg.lam)
 
 
-def _distill(x: _Inputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, None]:
+def _distill(x: AdvantageInputs, cfg: AdvantageConfig) -> tuple[torch.Tensor, None]:
     return torch.zeros_like(x.scores), None
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
-    "grpo": _grpo,
-    "dr_grpo": _grpo,
-    "gspo": _grpo,
-    "rloo": _rloo,
-    "reinforce_pp": _reinforce_pp,
-    "reinforce_pp_baseline": _reinforce_pp_baseline,
-    "gae": _gae,
-    "distill": _distill,
-}
-assert set(ADVANTAGE_ESTIMATORS) == set(get_args(AdvantageEstimatorName))
+ADVANTAGE_ESTIMATORS.add("grpo", AdvantageEstimatorSpec(fn=_grpo, uses_groups=True))
+ADVANTAGE_ESTIMATORS.add("dr_grpo", AdvantageEstimatorSpec(fn=_dr_grpo, uses_groups=True))
+ADVANTAGE_ESTIMATORS.add("gspo", AdvantageEstimatorSpec(fn=_grpo, uses_groups=True))
+ADVANTAGE_ESTIMATORS.add("rloo", AdvantageEstimatorSpec(fn=_rloo, uses_groups=True))
+ADVANTAGE_ESTIMATORS.add("reinforce_pp", AdvantageEstimatorSpec(fn=_reinforce_pp, whiten_by_default=True))
+ADVANTAGE_ESTIMATORS.add(
+    "reinforce_pp_baseline",
+    AdvantageEstimatorSpec(fn=_reinforce_pp_baseline, uses_groups=True, whiten_by_default=True),
+)
+ADVANTAGE_ESTIMATORS.add("gae", AdvantageEstimatorSpec(fn=_gae, needs_critic=True, whiten_by_default=True))
+ADVANTAGE_ESTIMATORS.add(
+    "distill", AdvantageEstimatorSpec(fn=_distill, needs_rewards=False, needs_teacher=True)
+)
 
 
 def _sampling_log_probs(batch: TrainBatch, why: str) -> torch.Tensor:
@@ -272,11 +330,11 @@ def _sampling_log_probs(batch: TrainBatch, why: str) -> torch.Tensor:
     return lp
 
 
-def _check_rewards(batch: TrainBatch, cfg: AdvantageConfig) -> torch.Tensor:
+def _check_rewards(batch: TrainBatch, cfg: AdvantageConfig, spec: AdvantageEstimatorSpec) -> torch.Tensor:
     b = batch.loss_mask.shape[0]
     rewards = batch.rewards
     if rewards is None:
-        if cfg.estimator == "distill":
+        if not spec.needs_rewards:
             return torch.zeros(b, dtype=torch.float32, device=batch.loss_mask.device)
         raise ValueError(
             f"batch.rewards is None: estimator {cfg.estimator!r} needs a scalar reward per sample"
@@ -317,9 +375,10 @@ def compute_advantages(
     ``teacher_log_probs`` when ``distill_coef > 0``. ``kl_coef`` overrides ``kl.coef`` (the current value
     of a KL controller). Returns the new batch (tensors shared, fields replaced) and metrics.
     """
+    spec = cfg.spec
     mask = _check_batch(batch)
-    rewards = _check_rewards(batch, cfg).float()
-    inputs = _Inputs(scores=rewards, rewards=rewards, mask=mask, batch=batch)
+    rewards = _check_rewards(batch, cfg, spec).float()
+    inputs = AdvantageInputs(scores=rewards, rewards=rewards, mask=mask, batch=batch)
     metrics: dict[str, float] = {}
     coef = float(kl_coef if kl_coef is not None else (kl.coef if kl is not None else 0.0))
     if kl is not None and kl.placement == "reward" and coef > 0:
@@ -334,11 +393,13 @@ def compute_advantages(
         inputs.kl_penalty = penalty
         inputs.scores = rewards + penalty.sum(-1)
         metrics |= kl_metrics
-    adv, returns = ADVANTAGE_ESTIMATORS[cfg.estimator](inputs, cfg)
+    adv, returns = spec.fn(inputs, cfg)
+    _check_estimate(adv, returns, mask, cfg.estimator, spec)
     tokens_per_row = mask.sum(-1)
-    if cfg.whitens:
+    whiten = cfg.whiten if cfg.whiten is not None else spec.whiten_by_default
+    if whiten:
         adv = _whiten_per_sample(adv, tokens_per_row) if adv.dim() == 1 else masked_whiten(adv, mask)
-    metrics |= _advantage_metrics(adv, tokens_per_row, returns, rewards, mask, batch, cfg)
+    metrics |= _advantage_metrics(adv, tokens_per_row, returns, rewards, mask, batch, spec.uses_groups)
     adv = adv[:, None] * mask if adv.dim() == 1 else adv
     if cfg.distill_coef > 0:
         adv = adv + _distill_term(batch, mask, cfg.distill_coef)
@@ -346,6 +407,28 @@ def compute_advantages(
     if returns is not None:
         changes["returns"] = returns
     return batch.replace(**changes), metrics
+
+
+def _check_estimate(
+    adv: torch.Tensor,
+    returns: torch.Tensor | None,
+    mask: torch.Tensor,
+    name: str,
+    spec: AdvantageEstimatorSpec,
+) -> None:
+    """An estimator's output has the documented shapes (a plug-in's mistake is named, not broadcast)."""
+    b, width = mask.shape
+    if not isinstance(adv, torch.Tensor) or tuple(adv.shape) not in ((b,), (b, width)):
+        got = tuple(adv.shape) if isinstance(adv, torch.Tensor) else type(adv).__name__
+        raise ValueError(
+            f"advantage estimator {name!r} returned advantages {got}; expected [{b}] or [{b}, {width}]"
+        )
+    if returns is not None and tuple(returns.shape) != (b, width):
+        raise ValueError(
+            f"advantage estimator {name!r} returned returns {tuple(returns.shape)}; expected [{b}, {width}]"
+        )
+    if spec.needs_critic and returns is None:
+        raise ValueError(f"advantage estimator {name!r} has needs_critic=True but returned no returns")
 
 
 def _whiten_per_sample(adv: torch.Tensor, tokens_per_row: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
@@ -371,7 +454,7 @@ def _distill_term(batch: TrainBatch, mask: torch.Tensor, coef: float) -> torch.T
 
 
 def _advantage_metrics(
-    adv, tokens_per_row, returns, rewards, mask, batch: TrainBatch, cfg: AdvantageConfig
+    adv, tokens_per_row, returns, rewards, mask, batch: TrainBatch, uses_groups: bool
 ) -> dict[str, float]:
     """Token-weighted advantage statistics (before the distillation term) and reward statistics."""
     if adv.dim() == 1:  # one value per sample: weigh each by its token count, O(B)
@@ -393,7 +476,7 @@ def _advantage_metrics(
     }
     if returns is not None:
         m["returns/mean"] = masked_mean(returns, mask)
-    if cfg.uses_groups:
+    if uses_groups:
         groups = group_layout(batch.group_index)
         m["reward/zero_std_group_frac"] = (groups.spread(rewards.double()) == 0).double().mean()
         m["reward/num_groups"] = float(groups.num_groups)

@@ -38,11 +38,7 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         if self.mini_batches < 1:
             raise ValueError(f"mini_batches={self.mini_batches} must be >= 1")
-        if self.filters.drop_zero_std_groups and self.advantage.estimator in (
-            "reinforce_pp",
-            "gae",
-            "distill",
-        ):
+        if self.filters.drop_zero_std_groups and not self.advantage.uses_groups:
             raise ValueError(
                 f"filters.drop_zero_std_groups is for group estimators; advantage.estimator="
                 f"{self.advantage.estimator!r} does not compare samples within a group"
@@ -59,7 +55,8 @@ class AlgorithmConfig:
 
     @property
     def needs_critic(self) -> bool:
-        return self.advantage.estimator == "gae"
+        """The estimator reads a critic's values (``gae``, or a plug-in that declares ``needs_critic``)."""
+        return self.advantage.spec.needs_critic
 
     @property
     def needs_teacher(self) -> bool:

@@ -14,6 +14,9 @@ aggregation                           full-batch loss (``m`` = loss mask, ``n_i`
 ``seq-mean-token-sum-norm`` (Dr.GRPO) ``sum_{i,t} m l / (num_sequences * L)``, ``L`` a constant length
 ====================================  ====================================================================
 
+Policy objectives are registered in ``POLICY_LOSSES`` as `PolicyLossSpec`s; a user adds one by import
+path (``policy_loss.loss: my.module:MY_SPEC``, its settings under ``policy_loss.options``).
+
 Metric convention: every metric a loss function returns is the micro-batch's *share* of the global
 value (token rates are divided by the global ``num_tokens``), so the engine SUMS them over micro-batches
 and ranks; keys ending in ``/max`` (``/min``) reduce by max (min). `reduce_micro_batch_metrics` does it.
@@ -24,7 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -33,6 +36,7 @@ from tandem.core.kl import KLConfig, kl_estimate
 from tandem.core.masked import check_finite, check_same_shape, metrics_to_floats, raise_first_nonfinite
 from tandem.core.offpolicy import OffPolicyConfig, correction_tensors
 from tandem.core.protocols import LogProbOutput, LossFn, LossScale
+from tandem.core.registry import SpecRegistry, build_options
 
 __all__ = [
     "AGGREGATIONS",
@@ -40,7 +44,8 @@ __all__ = [
     "AggregationName",
     "PolicyLoss",
     "PolicyLossConfig",
-    "PolicyLossName",
+    "PolicyLossFn",
+    "PolicyLossSpec",
     "ValueLoss",
     "ValueLossConfig",
     "aggregate",
@@ -56,14 +61,20 @@ AggregationName = Literal[
     "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"
 ]
 AGGREGATIONS: tuple[str, ...] = get_args(AggregationName)
-PolicyLossName = Literal["ppo_clip", "gspo", "cispo"]
 
 
 @dataclass(kw_only=True, slots=True)
 class PolicyLossConfig:
-    """The policy objective. Clip ranges are ratios' distances from 1: ``[1 - eps_low, 1 + eps_high]``."""
+    """The policy objective. Clip ranges are ratios' distances from 1: ``[1 - eps_low, 1 + eps_high]``.
 
-    loss: PolicyLossName = "ppo_clip"
+    ``loss`` is a name registered in ``POLICY_LOSSES`` or an import path ``module.path:NAME`` of a
+    `PolicyLossSpec`. ``options`` holds that loss's own settings: a mapping in a recipe, checked against
+    the spec's ``config`` dataclass and replaced by an instance of it on construction (None for a loss
+    without settings, as every built-in: their settings are the fields below).
+    """
+
+    loss: str = "ppo_clip"
+    options: Any = None  # the loss's own settings (see the class docstring)
     clip_eps_low: float = 0.2
     clip_eps_high: float = 0.2  # DAPO "clip-higher": 0.28
     dual_clip_c: float | None = None  # dual-clip PPO (Ye et al. 2020) bound for A < 0; verl uses 3.0
@@ -74,6 +85,8 @@ class PolicyLossConfig:
     compile: bool = False  # torch.compile the per-token math into fused kernels (first call compiles)
 
     def __post_init__(self) -> None:
+        spec = self.spec  # an unknown name or a bad import path fails here, naming the value
+        self.options = build_options(spec.config, self.options, owner=f"policy loss {self.loss!r}")
         if not 0 <= self.clip_eps_low <= 1:
             raise ValueError(f"clip_eps_low={self.clip_eps_low} must be in [0, 1] (the ratio stays >= 0)")
         if self.clip_eps_high < 0:
@@ -83,14 +96,22 @@ class PolicyLossConfig:
                 raise ValueError(
                     f"dual_clip_c={self.dual_clip_c} must be > 1 (it bounds -A * ratio for A < 0)"
                 )
-            if self.loss == "cispo":
-                raise ValueError("dual_clip_c applies to ppo_clip and gspo; cispo has no clipped surrogate")
+            if not spec.dual_clip:
+                raise ValueError(
+                    f"dual_clip_c applies to a clipped surrogate (ppo_clip, gspo: dual_clip=True in the "
+                    f"spec); loss={self.loss!r} has none"
+                )
         if self.log_ratio_clamp <= 0:
             raise ValueError(f"log_ratio_clamp={self.log_ratio_clamp} must be > 0")
         if self.norm_length is not None and self.norm_length <= 0:
             raise ValueError(f"norm_length={self.norm_length} must be > 0 (or null)")
         if self.entropy_coef < 0:
             raise ValueError(f"entropy_coef={self.entropy_coef} must be >= 0 (it is a bonus)")
+
+    @property
+    def spec(self) -> PolicyLossSpec:
+        """The registered (or imported) policy loss named by ``loss``."""
+        return POLICY_LOSSES.resolve(self.loss)
 
 
 # -- aggregation ----------------------------------------------------------------------------------
@@ -231,11 +252,35 @@ def cispo_per_token(log_probs, old_log_probs, adv, mask, cfg: PolicyLossConfig) 
     return -adv * weight * log_probs, stats
 
 
-POLICY_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, Stats]]] = {
-    "ppo_clip": ppo_clip_per_token,
-    "gspo": gspo_per_token,
-    "cispo": cispo_per_token,
-}
+# (log_probs, old_log_probs, advantages, mask, cfg) -> (per-token loss, stats); see PolicyLossSpec.
+PolicyLossFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, PolicyLossConfig], tuple[torch.Tensor, Stats]
+]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PolicyLossSpec:
+    """A policy objective: its per-token function and its own settings class.
+
+    ``fn(log_probs, old_log_probs, advantages, mask, cfg)`` gets ``[b, R]`` tensors of one micro-batch
+    (``log_probs`` carries the gradient; the others are detached) and the `PolicyLossConfig`
+    (``cfg.options`` is an instance of ``config``, built from the recipe's ``policy_loss.options``). It
+    returns the per-token loss ``[b, R]`` (to be minimised; values off the mask are ignored) and stats,
+    a dict of bool ``[b, R]`` tensors: ``clip_high`` / ``clip_low`` are logged as
+    ``loss/clip_frac_high`` / ``_low`` (and their sum ``loss/clip_frac``), any other key ``k`` as
+    ``loss/k_frac``, each the share of loss tokens where it is true. Aggregation, off-policy weights,
+    the KL and entropy terms are applied by `PolicyLoss` around ``fn``; it must not average itself.
+    """
+
+    fn: PolicyLossFn
+    config: type | None = None  # dataclass of the loss's settings (policy_loss.options); None: none
+    dual_clip: bool = False  # honours policy_loss.dual_clip_c (a clipped surrogate); False refuses it
+
+
+POLICY_LOSSES: SpecRegistry[PolicyLossSpec] = SpecRegistry("policy loss", PolicyLossSpec, required_params=5)
+POLICY_LOSSES.add("ppo_clip", PolicyLossSpec(fn=ppo_clip_per_token, dual_clip=True))
+POLICY_LOSSES.add("gspo", PolicyLossSpec(fn=gspo_per_token, dual_clip=True))
+POLICY_LOSSES.add("cispo", PolicyLossSpec(fn=cispo_per_token))
 
 
 def policy_loss_per_token(
@@ -246,13 +291,14 @@ def policy_loss_per_token(
     cfg: PolicyLossConfig,
 ) -> tuple[torch.Tensor, Stats]:
     """Per-token policy loss ``[b, R]`` (differentiable in ``log_probs``) and bool stats ``[b, R]``."""
-    return POLICY_LOSSES[cfg.loss](log_probs, old_log_probs, advantages, mask, cfg)
+    return cfg.spec.fn(log_probs, old_log_probs, advantages, mask, cfg)
 
 
 # -- the LossFn the engines call -------------------------------------------------------------------
 
 
 def _policy_loss_terms(
+    per_token_fn: PolicyLossFn,
     log_probs: torch.Tensor,
     old: torch.Tensor,
     adv: torch.Tensor,
@@ -267,12 +313,18 @@ def _policy_loss_terms(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The whole per-token computation of `PolicyLoss` (one function, so torch.compile can fuse it).
 
+    ``per_token_fn`` is the spec's function, resolved once outside (an import path is not traced).
     ``norms`` ``[3]``: global token count, the aggregation's denominator, the KL coefficient (tensors,
     so a new step's values do not trigger a recompile). Returns the loss and metric tensors; entries
     named ``finite/<input>`` are input sums used for the NaN / Inf check.
     """
     num_tokens, denom, kl_coef = norms[0], norms[1], norms[2]
-    per_token, stats = policy_loss_per_token(log_probs, old, adv, mask, cfg)
+    per_token, stats = per_token_fn(log_probs, old, adv, mask, cfg)
+    if per_token.shape != mask.shape:  # a plug-in's mistake is named here, not broadcast
+        raise ValueError(
+            f"policy loss {cfg.loss!r} returned a per-token loss of shape {tuple(per_token.shape)}; "
+            f"expected {tuple(mask.shape)}"
+        )
     out: dict[str, torch.Tensor] = {}
     if rollout is not None:  # the train/rollout mismatch is measured every step, corrected or not
         with torch.no_grad():
@@ -302,11 +354,7 @@ def _policy_loss_terms(
     out["loss/pg"] = pg.detach()
     out["loss/total"] = total.detach()
     with torch.no_grad():
-        high = _divide((stats["clip_high"] * mask).sum(), num_tokens)
-        low = _divide((stats["clip_low"] * mask).sum(), num_tokens)
-        out |= {"loss/clip_frac": high + low, "loss/clip_frac_high": high, "loss/clip_frac_low": low}
-        if "dual_clip" in stats:
-            out["loss/dual_clip_frac"] = _divide((stats["dual_clip"] * mask).sum(), num_tokens)
+        out |= _stat_shares(stats, mask, num_tokens)
         # k1 estimate of KL(pi_old || pi): how far this step has moved the policy
         out["loss/ppo_kl"] = _divide(((old - log_probs.detach()) * mask).sum(), num_tokens)
         for name, t in (("log_probs", log_probs), ("advantages", adv), ("old_log_probs", old),
@@ -314,6 +362,16 @@ def _policy_loss_terms(
             if t is not None:
                 out[f"finite/{name}"] = t.detach().sum()
     return total, out
+
+
+def _stat_shares(stats: Stats, mask: torch.Tensor, num_tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Token shares of a loss's bool stats: ``clip_high`` / ``clip_low`` (and their sum), ``loss/<k>_frac``."""
+    share = {k: _divide((v * mask).sum(), num_tokens) for k, v in stats.items()}
+    out: dict[str, torch.Tensor] = {}
+    if "clip_high" in share and "clip_low" in share:
+        high, low = share.pop("clip_high"), share.pop("clip_low")
+        out |= {"loss/clip_frac": high + low, "loss/clip_frac_high": high, "loss/clip_frac_low": low}
+    return out | {f"loss/{k}_frac": v for k, v in share.items()}
 
 
 _compiled_terms: Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]] | None = None
@@ -351,6 +409,7 @@ class PolicyLoss:
             raise ValueError(f"kl_coef={self.kl_coef} must be >= 0")
         self.kl = kl if kl is not None and kl.placement == "loss" and self.kl_coef > 0 else None
         self.off_policy = off_policy if off_policy is not None and off_policy.enabled else None
+        self._per_token_fn = cfg.spec.fn
         self._terms = _compiled_policy_loss_terms() if cfg.compile else _policy_loss_terms
 
     def __call__(
@@ -384,8 +443,9 @@ class PolicyLoss:
             device=log_probs.device,
         )
         total, terms = self._terms(
-            log_probs, old, adv, mask, ref, rollout, entropy, norms, cfg, self.kl, self.off_policy
-        )
+            self._per_token_fn, log_probs, old, adv, mask, ref, rollout, entropy, norms, cfg, self.kl,
+            self.off_policy,
+        )  # fmt: skip
         values = metrics_to_floats(terms)
         sums = {k.removeprefix("finite/"): v for k, v in values.items() if k.startswith("finite/")}
         if not all(math.isfinite(v) for v in sums.values()):
