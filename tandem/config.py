@@ -8,7 +8,9 @@ prints it as one line and exits with code 2.
 Supported field types: ``bool``, ``int``, ``float``, ``str``, ``pathlib.Path``, ``Literal[...]``,
 ``enum.Enum`` subclasses, nested dataclasses, ``X | None``, ``list[X]``, ``tuple[X, ...]``,
 ``dict[str, X]`` and ``Any``. A dataclass may validate further in ``__post_init__`` by raising
-``ValueError``; the message is reported with the key path of that dataclass.
+``ValueError``; the message is reported with the key path of that dataclass. A dataclass whose keys
+depend on its values (the engine sections: ``inference.<engine name>``) builds itself with a classmethod
+``from_config_dict(data, path)`` and writes itself back with ``to_config_dict()``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-__all__ = ["ConfigError", "apply_overrides", "from_dict", "load_config", "save_config", "to_dict"]
+__all__ = ["ConfigError", "apply_overrides", "from_dict", "load_config", "save_config", "to_dict", "unknown_key"]
 
 T = TypeVar("T")
 
@@ -128,19 +130,30 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported config type {_type_name(tp)}")
 
 
+def unknown_key(path: str, key: str, valid: Sequence[str]) -> ConfigError:
+    """The error for ``key`` not among ``valid`` (with a did-you-mean hint)."""
+    close = difflib.get_close_matches(str(key), list(valid), n=1)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return ConfigError(f"unknown key '{_key(path, str(key))}' (valid keys: {', '.join(sorted(valid))}){hint}")
+
+
 def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
     """Build dataclass ``cls`` from a mapping, checking keys and types recursively."""
     if not isinstance(data, Mapping):
         raise ConfigError(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+    custom = getattr(cls, "from_config_dict", None)
+    if custom is not None:
+        try:
+            return custom(data, path=path)
+        except ConfigError:
+            raise
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"{path or cls.__name__}: {e}") from None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for k in data:
         if k not in fields:
-            close = difflib.get_close_matches(str(k), list(fields), n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise ConfigError(
-                f"unknown key '{_key(path, str(k))}' (valid keys: {', '.join(sorted(fields))}){hint}"
-            )
+            raise unknown_key(path, str(k), list(fields))
     kwargs = {}
     for name, f in fields.items():
         if name in data:
@@ -210,6 +223,8 @@ def load_config(cls: type[T], recipe: str | Path | None = None, overrides: Seque
 def to_dict(cfg: Any) -> Any:
     """A plain YAML-safe structure (enums by value, paths and tuples as str and lists)."""
     if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        if hasattr(cfg, "to_config_dict"):
+            return to_dict(cfg.to_config_dict())
         return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
     if isinstance(cfg, enum.Enum):
         return cfg.value

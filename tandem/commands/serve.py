@@ -1,9 +1,10 @@
-"""``tandem serve MODEL_OR_RECIPE [key=value ...]``: the session server in front of the embedded engine.
+"""``tandem serve MODEL_OR_RECIPE [key=value ...]``: the session server in front of an inference engine.
 
 Serves OpenAI-compatible chat sessions with token-in-token-out bookkeeping (tandem/rollout/server.py)
-on 127.0.0.1:8000 by default. A recipe gives the model and the engine settings (``inference.torch``)
-and the agent's limits (``rollout.agent``); a model name or HF folder serves that model with defaults.
-The engine runs in this process, driven by the server's event loop.
+on 127.0.0.1:8000 by default. A recipe gives the model, the engine (``inference.engine``, any engine of
+the registry, a plug-in included) with its settings (``inference.<engine>``), and the agent's limits
+(``rollout.agent``); a model name or HF folder serves that model on ``--engine`` (default: the embedded
+``torch`` engine) with its defaults. The engine runs in this process, driven by the server's event loop.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-sessions", type=int, default=1024)
     p.add_argument("--max-turns", type=int, default=64, help="model turns per session")
     p.add_argument("--max-request-bytes", type=int, default=4 << 20)
+    p.add_argument("--engine", default=None,
+                   help="inference engine for a model name: a registered name or 'module:ENTRY' (default torch); "
+                        "a recipe names its own (inference.engine)")
     p.add_argument("--max-model-len", type=int, default=None, help="context per sequence (engine KV-cache slot)")
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
@@ -29,31 +33,56 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_config(args: argparse.Namespace):
+    """``(engine entry, its filled config, model name, the recipe's agent section or None)``."""
     import dataclasses
     from pathlib import Path
 
     from tandem.config import ConfigError, load_config
-    from tandem.engines.inference.torch import TorchEngineConfig
+    from tandem.engines.registry import INFERENCE_ENGINES, RunFacts, Unsupported
     from tandem.models import ModelConfig
+    from tandem.plugins import PluginError
+    from tandem.runtime import builders
 
-    if Path(args.target).suffix in (".yaml", ".yml"):
-        from tandem.runtime import builders
-        from tandem.runtime.config import RunConfig
-
-        cfg = load_config(RunConfig, args.target, args.overrides)
-        ec, model_name, agent = builders.torch_engine_config(cfg), cfg.model.name, cfg.rollout.agent
-    else:
-        if args.overrides:
-            raise ConfigError(f"overrides {args.overrides} need a recipe, not the model {args.target!r}")
-        ec, model_name, agent = TorchEngineConfig(model=ModelConfig(name=args.target)), args.target, None
-    changes = {k: v for k, v in (("max_model_len", args.max_model_len), ("max_num_seqs", args.max_num_seqs))
-               if v is not None}
-    if args.dtype:
-        changes["model"] = dataclasses.replace(ec.model, dtype=args.dtype)
     try:
-        return dataclasses.replace(ec, **changes), model_name, agent
+        if Path(args.target).suffix in (".yaml", ".yml"):
+            from tandem.runtime.config import RunConfig
+
+            if args.engine is not None:
+                raise ConfigError(f"--engine {args.engine!r}: a recipe names its engine (inference.engine={args.engine})")
+            cfg = load_config(RunConfig, args.target, args.overrides)
+            entry = cfg.inference.entry
+            ec = entry.configure(builders.run_facts(cfg), cfg.inference.config)
+            model_name, agent = cfg.model.name, cfg.rollout.agent
+        else:
+            if args.overrides:
+                raise ConfigError(f"overrides {args.overrides} need a recipe, not the model {args.target!r}")
+            entry = INFERENCE_ENGINES.get(args.engine or "torch")
+            model = ModelConfig(name=args.target)
+            ec = entry.configure(RunFacts(model=model, max_context=_model_context(args.target)), None)
+            model_name, agent = args.target, None
+    except (Unsupported, PluginError) as e:
+        raise ConfigError(str(e)) from None
+    changes = {}
+    for flag, name, value in (("--max-model-len", "max_model_len", args.max_model_len),
+                              ("--max-num-seqs", "max_num_seqs", args.max_num_seqs),
+                              ("--dtype", "model", args.dtype)):
+        if value is None:
+            continue
+        if not any(f.name == name for f in dataclasses.fields(ec)):
+            raise ConfigError(f"{flag} does not apply to inference.engine: {entry.name} (its config has no {name})")
+        changes[name] = dataclasses.replace(ec.model, dtype=value) if name == "model" else value
+    try:
+        return entry, dataclasses.replace(ec, **changes), model_name, agent
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _model_context(name: str) -> int:
+    from transformers import AutoConfig
+
+    from tandem.models import resolve_model
+
+    return int(AutoConfig.from_pretrained(str(resolve_model(name))).max_position_embeddings)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -65,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.config import ConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    ec, model_name, agent = _engine_config(args)
+    entry, ec, model_name, agent = _engine_config(args)
     template_file = args.chat_template or (agent.chat_template if agent else None)
     from tandem.rollout.server import LOOPBACK, ServerConfig
     from tandem.rollout.session import SessionConfig
@@ -85,17 +114,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"tandem: warning: serving on {args.host} without --api-key: anyone who reaches it can use it",
               file=sys.stderr)
 
-    from tandem.engines.inference.torch import TorchEngine
     from tandem.models import load_tokenizer
     from tandem.rollout.chat import ChatTemplate
     from tandem.rollout.server import create_app, serve_forever
     from tandem.rollout.session import SessionStore
 
-    engine = TorchEngine(ec)
-    template = ChatTemplate(load_tokenizer(ec.model.name),
+    engine = entry.spec(ec).build()
+    template = ChatTemplate(load_tokenizer(model_name),
                             chat_template=Path(template_file).read_text() if template_file else None)
     app = create_app(SessionStore(engine, template, sessions), server_cfg)
-    print(f"tandem serve: {model_name} on http://{args.host}:{args.port} "
+    print(f"tandem serve: {model_name} ({entry.name} engine) on http://{args.host}:{args.port} "
           f"(POST /sessions, then OpenAI base_url http://{args.host}:{args.port}/sessions/<id>/v1)", flush=True)
     try:
         serve_forever(app, args.host, args.port)

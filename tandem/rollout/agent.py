@@ -1,7 +1,8 @@
 """Multi-turn and agentic generate functions: conversations with tools, turned into `Sample`s.
 
-Both have the loop's generate-function signature (tandem/rollout/generate.py) and read their settings
-from the run's ``rollout.agent`` section (`AgentConfig`). Every episode is one session of a
+Both are async per-group generate functions (tandem/rollout/functions.py), so every loop mode runs
+them, fully-async included, and read their settings from the run's ``rollout.agent`` section
+(`AgentConfig`). Every episode is one session of a
 `SessionStore` (tandem/rollout/session.py), so the token ids, loss mask and log-probs are the
 server's TITO record, never a re-tokenization:
 
@@ -19,8 +20,9 @@ server's TITO record, never a re-tokenization:
   for any reward; a dict may hold ``reward`` and ``response`` (the rest goes to
   ``metadata["agent_result"]``); None leaves the final assistant message as the response.
 
-The server's engine work runs in the calling thread (an asyncio loop started for the call), as
-``single_turn``'s does. Sessions sample with the run's ``rollout.sampling`` whatever the agent asks
+The session store (and for ``agentic_tool_call`` the HTTP server) is a resource of the rollout's
+context: made once per rollout (a step, or the whole fully-async producer) on its event loop and
+shared by every group in it; the engine work runs on that loop, as ``single_turn``'s does. Sessions sample with the run's ``rollout.sampling`` whatever the agent asks
 (temperature, top-p, top-k, and at most ``max_new_tokens`` per turn), so the rollout log-probs are the
 behaviour policy's.
 
@@ -52,7 +54,7 @@ from typing import Any, Literal
 from tandem.core.sample import Sample, SampleStatus
 from tandem.plugins import load_callable
 from tandem.rollout.data import PromptRecord
-from tandem.rollout.generate import SamplingConfig, request_seed
+from tandem.rollout.generate import SamplingConfig
 
 __all__ = ["AgentConfig", "agent_metrics", "agent_reward", "agentic_tool_call", "multi_turn"]
 
@@ -120,42 +122,36 @@ def agent_metrics(samples: Sequence[Sample]) -> dict[str, float]:
 # -- the generate functions ---------------------------------------------------------------------------------
 
 
-# The keyword-only arguments have defaults only because the loop's import-path check binds two positional
-# arguments and nothing else; the loop always passes all of them.
-def multi_turn(engine, prompts: Sequence[PromptRecord], *, n: int = 1, sampling: SamplingConfig | None = None,
-               tokenizer=None, seed: int = 0, step: int = 0, first_group: int = 0, routed_experts: bool = False,
-               config: Any = None) -> list[Sample]:
-    """Framework-driven tool/user conversations (module docstring); ``len(prompts) * n`` episodes."""
-    agent = _agent_config(config)
+async def multi_turn(ctx, record: PromptRecord, *, group_index: int, seed: int) -> list[Sample]:
+    """Framework-driven tool/user conversations (module docstring): ``ctx.n`` episodes of one prompt."""
+    agent = _agent_config(ctx.config)
     tools = _load_tools(tuple(agent.tools))
     env = _load(agent.environment, "rollout.agent.environment", 2) if agent.environment else None
 
-    def episode(store, session, ep: _Episode, ctx: _Context):
-        return _tool_episode(store, session, ep, ctx, tools=tools, environment=env)
+    def episode(store, session, ep: _Episode, runner: _Runner):
+        return _tool_episode(store, session, ep, runner, tools=tools, environment=env)
 
-    return _run(engine, prompts, n=n, sampling=sampling, tokenizer=tokenizer, seed=seed, step=step,
-                first_group=first_group, routed_experts=routed_experts, agent=agent, episode=episode, http=False)
+    runner = await ctx.resource("tandem.agent.direct", lambda: _Runner(ctx, agent, http=False))
+    return await runner.group(record, group_index=group_index, n=ctx.n, seed=seed, episode_fn=episode)
 
 
-def agentic_tool_call(engine, prompts: Sequence[PromptRecord], *, n: int = 1, sampling: SamplingConfig | None = None,
-                      tokenizer=None, seed: int = 0, step: int = 0, first_group: int = 0,
-                      routed_experts: bool = False, config: Any = None) -> list[Sample]:
-    """User agents over the session server (module docstring); ``len(prompts) * n`` episodes."""
-    agent = _agent_config(config)
+async def agentic_tool_call(ctx, record: PromptRecord, *, group_index: int, seed: int) -> list[Sample]:
+    """User agents over the session server (module docstring): ``ctx.n`` episodes of one prompt."""
+    agent = _agent_config(ctx.config)
     if agent.function is None:
         raise ValueError("rollout.agent.function is not set: agentic_tool_call needs "
                          "'module:function(base_url, prompt, metadata)'")
     fn = _load(agent.function, "rollout.agent.function", 3)
 
-    async def episode(store, session, ep: _Episode, ctx: _Context):
-        base_url = f"{ctx.base_url}/sessions/{session.id}/v1"
+    async def episode(store, session, ep: _Episode, runner: _Runner):
+        base_url = f"{runner.base_url}/sessions/{session.id}/v1"
         if inspect.iscoroutinefunction(fn):
             return await fn(base_url, ep.record.prompt, ep.metadata)
-        return await asyncio.get_running_loop().run_in_executor(ctx.pool, fn, base_url, ep.record.prompt,
+        return await asyncio.get_running_loop().run_in_executor(runner.pool, fn, base_url, ep.record.prompt,
                                                                 ep.metadata)
 
-    return _run(engine, prompts, n=n, sampling=sampling, tokenizer=tokenizer, seed=seed, step=step,
-                first_group=first_group, routed_experts=routed_experts, agent=agent, episode=episode, http=True)
+    runner = await ctx.resource("tandem.agent.http", lambda: _Runner(ctx, agent, http=True))
+    return await runner.group(record, group_index=group_index, n=ctx.n, seed=seed, episode_fn=episode)
 
 
 # -- running episodes ---------------------------------------------------------------------------------------
@@ -172,13 +168,6 @@ class _Episode:
     def metadata(self) -> dict[str, Any]:
         return {**self.record.metadata, "label": self.record.label, "prompt_index": self.record.index,
                 "sample_index": self.sample_index}
-
-
-@dataclass(kw_only=True, slots=True)
-class _Context:
-    agent: AgentConfig
-    pool: cf.ThreadPoolExecutor
-    base_url: str = ""
 
 
 class _EnvironmentError(RuntimeError):
@@ -203,64 +192,75 @@ def _load_tools(specs: tuple[str, ...]) -> dict[str, Any]:
     return {t.name: t for t in tools}
 
 
-def _run(engine, prompts, *, n, sampling, tokenizer, seed, step, first_group, routed_experts, agent, episode,
-         http: bool) -> list[Sample]:
-    if tokenizer is None:
-        raise ValueError("tokenizer is required (the loop passes the policy's tokenizer)")
-    sampling = sampling or SamplingConfig()
-    episodes = [
-        _Episode(record=p, group_index=first_group + g, sample_index=i,
-                 seed=request_seed(seed, step, p.index) * 1_000_003 + i)
-        for g, p in enumerate(prompts) for i in range(n)
-    ]
-    runner = _Runner(engine, tokenizer, agent, sampling, routed_experts=routed_experts)
-    per_episode = asyncio.run(runner.run(episodes, episode, http=http))
-    samples = [s for group in per_episode for s in group]
-    for i, s in enumerate(samples):
-        s.index = i
-    metrics = agent_metrics(samples)
-    if metrics:
-        log.info("agent episodes: %s", {k: round(v, 3) for k, v in sorted(metrics.items())})
-    return samples
-
-
 class _Runner:
-    def __init__(self, engine, tokenizer, agent: AgentConfig, sampling: SamplingConfig, *, routed_experts: bool):
+    """The session store (and, for user agents, the HTTP session server) that the episodes of every
+    group of one rollout share: a resource of the `RolloutContext`, entered once on its event loop.
+    ``max_concurrency`` bounds the episodes in flight over all groups."""
+
+    def __init__(self, ctx, agent: AgentConfig, *, http: bool):
         from tandem.rollout.chat import ChatTemplate
         from tandem.rollout.session import SessionConfig, SessionStore
 
+        if ctx.tokenizer is None:
+            raise ValueError("tokenizer is required (the loop passes the policy's tokenizer)")
+        sampling = ctx.sampling or SamplingConfig()
         template_source = Path(agent.chat_template).read_text() if agent.chat_template else None
-        self.template = ChatTemplate(tokenizer, chat_template=template_source)
-        self.store = SessionStore(engine, self.template, SessionConfig(
+        self.template = ChatTemplate(ctx.tokenizer, chat_template=template_source)
+        self.store = SessionStore(ctx.engine, self.template, SessionConfig(
             max_sessions=max(1, agent.max_concurrency) * (agent.max_retries + 2), max_turns=agent.max_turns,
             max_context_tokens=agent.max_context_tokens, default_max_tokens=sampling.max_new_tokens,
             max_tokens_cap=sampling.max_new_tokens, stop_token_ids=list(sampling.stop_token_ids),
             verify_tokens=agent.verify_tokens,
-        ), routed_experts=routed_experts)
-        self.agent, self.sampling, self.tokenizer = agent, sampling, tokenizer
+        ), routed_experts=ctx.routed_experts)
+        self.agent, self.sampling, self.tokenizer, self.http = agent, sampling, ctx.tokenizer, http
+        self.stopping = ctx.stopping
+        self.pool: cf.ThreadPoolExecutor | None = None
+        self.base_url = ""
+        self._server: Any = None
+        self._gate: asyncio.Semaphore | None = None
 
-    async def run(self, episodes: list[_Episode], episode_fn, *, http: bool) -> list[list[Sample]]:
+    async def __aenter__(self) -> _Runner:
         from tandem.rollout.server import RunningServer, ServerConfig, create_app
 
-        pool = cf.ThreadPoolExecutor(max_workers=self.agent.max_concurrency, thread_name_prefix="tandem-agent")
-        ctx = _Context(agent=self.agent, pool=pool)
-        gate = asyncio.Semaphore(self.agent.max_concurrency)
+        self.pool = cf.ThreadPoolExecutor(max_workers=self.agent.max_concurrency, thread_name_prefix="tandem-agent")
+        self._gate = asyncio.Semaphore(self.agent.max_concurrency)
+        if self.http:
+            app = create_app(self.store, ServerConfig(model_name="policy", sessions=self.store.config))
+            self._server = RunningServer(app)
+            try:
+                self.base_url = (await self._server.__aenter__()).base_url
+            except BaseException:
+                self.pool.shutdown(wait=False, cancel_futures=True)
+                raise
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        try:
+            if self._server is not None:
+                await self._server.__aexit__(*exc)
+        finally:
+            if self.pool is not None:
+                self.pool.shutdown(wait=False, cancel_futures=True)
+
+    async def group(self, record: PromptRecord, *, group_index: int, n: int, seed: int, episode_fn) -> list[Sample]:
+        episodes = [_Episode(record=record, group_index=group_index, sample_index=i, seed=seed * 1_000_003 + i)
+                    for i in range(n)]
 
         async def one(ep: _Episode) -> list[Sample]:
-            async with gate:
-                return await self._with_retries(ep, episode_fn, ctx)
+            async with self._gate:
+                return await self._with_retries(ep, episode_fn)
 
-        try:
-            if http:
-                app = create_app(self.store, ServerConfig(model_name="policy", sessions=self.store.config))
-                async with RunningServer(app) as server:
-                    ctx.base_url = server.base_url
-                    return await asyncio.gather(*(one(ep) for ep in episodes))
-            return await asyncio.gather(*(one(ep) for ep in episodes))
-        finally:
-            pool.shutdown(wait=False, cancel_futures=True)
+        per_episode = await asyncio.gather(*(one(ep) for ep in episodes))
+        samples = [s for group in per_episode for s in group]
+        for i, s in enumerate(samples):
+            s.index = i
+        return samples
 
-    async def _with_retries(self, ep: _Episode, episode_fn, ctx: _Context) -> list[Sample]:
+    def _level(self) -> int:
+        """Episode failures are warnings, except while the rollout shuts down (the engine aborts them)."""
+        return logging.DEBUG if self.stopping() else logging.WARNING
+
+    async def _with_retries(self, ep: _Episode, episode_fn) -> list[Sample]:
         s = self.sampling
         reasons: list[str] = []
         for attempt in range(self.agent.max_retries + 1):
@@ -270,16 +270,16 @@ class _Runner:
                 max_tokens=s.max_new_tokens, seed=(ep.seed + 7919 * attempt) & 0x7FFFFFFF,
             )
             try:
-                result = await asyncio.wait_for(episode_fn(self.store, session, ep, ctx), self.agent.timeout_s)
+                result = await asyncio.wait_for(episode_fn(self.store, session, ep, self), self.agent.timeout_s)
             except TimeoutError:
                 reasons.append("timeout")
             except _EnvironmentError as e:
                 reasons.append("environment_error")
-                log.warning("episode %s: environment failed: %s", ep.metadata, e.__cause__ or e)
+                log.log(self._level(), "episode %s: environment failed: %s", ep.metadata, e.__cause__ or e)
             except Exception as e:  # noqa: BLE001 - an agent bug aborts its episode, not the run
                 reasons.append(_failure_reason(session))
-                log.warning("episode (prompt %d, sample %d) attempt %d failed: %s: %s", ep.record.index,
-                            ep.sample_index, attempt, type(e).__name__, e)
+                log.log(self._level(), "episode (prompt %d, sample %d) attempt %d failed: %s: %s", ep.record.index,
+                        ep.sample_index, attempt, type(e).__name__, e)
             else:
                 return _session_samples(session, ep, result, samples=self.agent.samples, tokenizer=self.tokenizer)
             finally:
@@ -293,11 +293,11 @@ def _failure_reason(session) -> str:
     return {"TokenDriftError": "token_drift", "EngineUnavailableError": "engine_error"}.get(kind, "agent_error")
 
 
-async def _tool_episode(store, session, ep: _Episode, ctx: _Context, *, tools: dict[str, Any],
+async def _tool_episode(store, session, ep: _Episode, runner: _Runner, *, tools: dict[str, Any],
                         environment: Callable[..., Any] | None) -> None:
     from tandem.rollout.session import TurnRequest
 
-    agent = ctx.agent
+    agent = runner.agent
     messages = _initial_messages(ep.record.prompt, agent.system_prompt)
     schemas = [t.schema for t in tools.values()] or None
     loop = asyncio.get_running_loop()
@@ -309,13 +309,13 @@ async def _tool_episode(store, session, ep: _Episode, ctx: _Context, *, tools: d
         calls = outcome.message.get("tool_calls") or []
         for call in calls:
             messages.append({"role": "tool", "tool_call_id": call["id"], "name": call["function"]["name"],
-                             "content": await _call_tool(tools, call, ctx, loop)})
+                             "content": await _call_tool(tools, call, runner, loop)})
         if calls:
             continue
         if environment is None:
             return None
         try:
-            reply = await loop.run_in_executor(ctx.pool, environment, list(messages), ep.metadata)
+            reply = await loop.run_in_executor(runner.pool, environment, list(messages), ep.metadata)
         except Exception as e:
             raise _EnvironmentError(str(e)) from e
         if reply is None:
@@ -324,7 +324,7 @@ async def _tool_episode(store, session, ep: _Episode, ctx: _Context, *, tools: d
     return None
 
 
-async def _call_tool(tools: dict[str, Any], call: dict[str, Any], ctx: _Context, loop) -> str:
+async def _call_tool(tools: dict[str, Any], call: dict[str, Any], runner: _Runner, loop) -> str:
     """The tool's result text; an unknown tool, bad arguments, an exception or a timeout become error text
     (the model sees it, as it would see any tool failing)."""
     import json
@@ -335,9 +335,9 @@ async def _call_tool(tools: dict[str, Any], call: dict[str, Any], ctx: _Context,
         return f"error: unknown tool {name!r} (available: {', '.join(sorted(tools))})"
     try:
         args = json.loads(call["function"]["arguments"] or "{}")
-        return await asyncio.wait_for(loop.run_in_executor(ctx.pool, tool, args), ctx.agent.tool_timeout_s)
+        return await asyncio.wait_for(loop.run_in_executor(runner.pool, tool, args), runner.agent.tool_timeout_s)
     except TimeoutError:
-        return f"error: tool {name!r} timed out after {ctx.agent.tool_timeout_s}s"
+        return f"error: tool {name!r} timed out after {runner.agent.tool_timeout_s}s"
     except Exception as e:  # noqa: BLE001 - a tool error is an observation for the model
         return f"error: {type(e).__name__}: {e}"
 

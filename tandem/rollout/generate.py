@@ -1,22 +1,20 @@
-"""Generate functions: prompts in, `Sample`s out, through any `InferenceEngine`.
+"""The single-turn generate function, rollout sampling settings and completion -> `Sample`.
 
-`single_turn` sends each prompt's token ids with ``n`` samples per prompt (one shared prefill) and
-turns every completion into a `Sample`: the prompt ids and the engine's response ids exactly as
-generated (token-in-token-out, never re-tokenized), the engine's log-probs, the finish reason as a
-status, the weight versions and, for MoE models, the routed experts. The response text is decoded
-only for rewards and logs.
+(The generate-function forms and their registry: tandem/rollout/functions.py.) `single_turn` sends a
+prompt's token ids with ``n`` samples (one shared prefill) and turns every completion into a `Sample`:
+the prompt ids and the engine's response ids exactly as generated (token-in-token-out, never
+re-tokenized), the engine's log-probs, the finish reason as a status, the weight versions and, for MoE
+models, the routed experts. The response text is decoded only for rewards and logs.
 
-Per-request seeds derive from ``(seed, step, prompt index)``, so a run resumed from a checkpoint
-samples exactly what the uninterrupted run sampled.
+Per-request seeds derive from ``(seed, step, prompt index)`` (`request_seed`), so a run resumed from a
+checkpoint samples exactly what the uninterrupted run sampled.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-from tandem.core.protocols import Completion, FinishReason, GenerationRequest, InferenceEngine, SamplingParams
+from tandem.core.protocols import Completion, FinishReason, GenerationRequest, SamplingParams
 from tandem.core.sample import Sample, SampleStatus
 from tandem.rollout.data import PromptRecord
 
@@ -79,43 +77,26 @@ def completion_to_sample(
     )
     if completion.error:
         sample.metadata["error"] = completion.error
+    if completion.finish_reason == FinishReason.ABORT:  # e.g. a weight update with partial_rollouts: false
+        sample.metadata["status_reason"] = "engine_abort"
     return sample
 
 
-def single_turn(
-    engine: InferenceEngine,
-    prompts: Sequence[PromptRecord],
-    *,
-    n: int,
-    sampling: SamplingConfig,
-    tokenizer,
-    seed: int,
-    step: int,
-    first_group: int = 0,
-    routed_experts: bool = False,
-    config: Any = None,
-) -> list[Sample]:
-    """``len(prompts) * n`` samples, grouped by prompt (``group_index = first_group + i``).
+async def single_turn(ctx, record: PromptRecord, *, group_index: int, seed: int) -> list[Sample]:
+    """The ``n`` samples of one prompt: one request with ``n`` samples (one shared prefill).
 
-    This is the signature every generate function has; ``config`` is the run's ``RolloutConfig``
-    (a generate function with settings of its own reads them there; this one needs none).
+    ``ctx`` is the `tandem.rollout.functions.RolloutContext` (engine, tokenizer, sampling settings);
+    ``seed`` seeds the request (the engine derives one seed per sample from it).
     """
-    eos = getattr(tokenizer, "eos_token_id", None)
-    requests = [
-        GenerationRequest(
-            prompt_token_ids=list(p.prompt_token_ids),
-            sampling=sampling.params(n=n, seed=request_seed(seed, step, p.index), eos_token_id=eos,
-                                     routed_experts=routed_experts),
-        )
-        for p in prompts
-    ]
-    results = engine.generate(requests)
-    samples: list[Sample] = []
-    for g, (record, result) in enumerate(zip(prompts, results, strict=True)):
-        comps = result.completions
-        if len(comps) != n:  # a request-level error: one ERROR completion stands for the group
-            comps = [comps[0]] * n if comps else [Completion(token_ids=[], log_probs=[], finish_reason=FinishReason.ERROR, error=result.error)] * n
-        for c in comps:
-            samples.append(completion_to_sample(record, c, tokenizer=tokenizer, group_index=first_group + g,
-                                                index=len(samples)))
-    return samples
+    request = GenerationRequest(
+        prompt_token_ids=list(record.prompt_token_ids),
+        sampling=ctx.sampling.params(n=ctx.n, seed=seed, eos_token_id=ctx.eos_token_id,
+                                     routed_experts=ctx.routed_experts),
+    )
+    result = await ctx.engine.agenerate(request)
+    comps = result.completions
+    if len(comps) != ctx.n:  # a request-level error: one ERROR completion stands for the group
+        comps = [comps[0]] * ctx.n if comps else [Completion(token_ids=[], log_probs=[], finish_reason=FinishReason.ERROR,
+                                                             error=result.error)] * ctx.n
+    return [completion_to_sample(record, c, tokenizer=ctx.tokenizer, group_index=group_index, index=i)
+            for i, c in enumerate(comps)]

@@ -13,7 +13,7 @@ front of it; the ``multi_turn`` generate function uses it directly). A session o
    trajectory with the copy. A failure at any point leaves the session exactly as it was.
 
 Limits: ``max_sessions`` (creating more raises `TooManySessionsError`), ``max_turns`` and the context
-(``max_context_tokens``, by default the engine's ``max_model_len``). A session that reaches one is
+(``max_context_tokens``, by default the engine's ``info.max_context``). A session that reaches one is
 *truncated*: the turn that hits the context keeps its tokens (finish reason ``length``), and every later
 request answers at once with finish reason ``length`` and no tokens, so an agent loop ends normally.
 """
@@ -163,11 +163,8 @@ class SessionStore:
         self.routed_experts = routed_experts  # ask the engine for MoE routing (kept per turn, for R3)
         self.template = template
         self.config = config or SessionConfig()
-        engine_limit = getattr(getattr(engine, "config", None), "max_model_len", None)
-        limit = self.config.max_context_tokens or engine_limit
-        if limit is None:
-            raise ValueError("max_context_tokens is not set and the engine has no config.max_model_len")
-        self.context_limit = min(limit, engine_limit) if engine_limit else limit
+        engine_limit = engine.info.max_context
+        self.context_limit = min(self.config.max_context_tokens or engine_limit, engine_limit)
         stops = [*self.config.stop_token_ids, *([template.eos_token_id] if template.eos_token_id is not None else [])]
         self.stop_token_ids = tuple(dict.fromkeys(stops))
         self.sessions: dict[str, Session] = {}

@@ -1,13 +1,17 @@
 """Fully asynchronous mode: a producer keeps generating while the trainer trains.
 
-A producer thread runs an asyncio loop that keeps ``prompts_per_step`` groups in flight on the
-inference engine (``agenerate``: they share its continuous batch), scores each finished group and
+A producer thread runs an asyncio loop that keeps ``prompts_per_step`` groups in flight through the
+run's generate function (any of them: single-turn, multi-turn, agentic, a user's; their engine calls
+share the engine's continuous batch), recomputes log-probs if asked, scores each finished group and
 puts it into a bounded queue of ``queue_groups`` groups; when the queue is full the producer waits
-(backpressure). The trainer takes ``prompts_per_step`` groups per step. A group whose oldest token is
-more than ``max_staleness`` weight versions behind the trainer is dropped (``stale_policy: drop``) or
-its prompt is generated again (``regenerate``). Weight updates reach the engine between two decode
-steps: rollouts in flight continue with the new weights (partial rollouts), or with
-``partial_rollouts: false`` they are aborted and regenerated from scratch.
+(backpressure). The trainer takes groups until ``prompts_per_step`` of them survive the filters, or
+``max_rounds x prompts_per_step`` were taken (as the synchronous modes' rounds). A group whose oldest
+token is more than ``max_staleness`` weight versions behind the trainer is dropped (``stale_policy:
+drop``) or its prompt is generated again (``regenerate``). Weight updates reach the engine between two
+decode steps: rollouts in flight continue with the new weights (partial rollouts), or with
+``partial_rollouts: false`` they are aborted and their groups regenerated from scratch (a group
+holding a sample the engine aborted, ``status_reason: engine_abort``). ``rollout.dump`` writes every
+group a step consumed.
 
 The data order in this mode depends on timing, so a resumed run does not repeat an uninterrupted one
 bit for bit (sync mode does).
@@ -23,10 +27,11 @@ import time
 from typing import TYPE_CHECKING
 
 from tandem.core.filters import filter_samples
-from tandem.core.protocols import GenerationRequest
-from tandem.core.sample import Sample, SampleStatus
-from tandem.rollout.generate import completion_to_sample, request_seed
+from tandem.core.sample import Sample
+from tandem.rollout.functions import RolloutContext
+from tandem.rollout.generate import request_seed
 from tandem.runtime.metrics import rollout_metrics, staleness_metrics
+from tandem.runtime.rollouts import Rollouts, add_metrics, episode_metrics
 
 if TYPE_CHECKING:
     from tandem.runtime.loop import Run
@@ -46,6 +51,7 @@ class _Producer(threading.Thread):
         self.error: BaseException | None = None
         self.groups_made = 0
         self.generated_tokens = 0
+        self.regenerated = 0  # groups generated again after an engine abort
         self.lock = threading.Lock()
 
     def run(self) -> None:
@@ -63,23 +69,28 @@ class _Producer(threading.Thread):
                     pass
 
     async def _main(self) -> None:
-        cfg = self.run_.cfg
-        in_flight = max(1, cfg.rollout.prompts_per_step)
+        in_flight = max(1, self.run_.cfg.rollout.prompts_per_step)
         tasks: set[asyncio.Task] = set()
-        while not self.stop_event.is_set():
-            while len(tasks) < in_flight and not self.stop_event.is_set():
-                tasks.add(asyncio.create_task(self._one_group()))
-            done, tasks = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-            # one error is raised; reading them all keeps asyncio from logging the others (a dead engine
-            # fails every group in flight at once)
-            failed = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
-            if failed:
-                raise failed[0]
-        for t in tasks:
-            t.cancel()
+        async with self.run_.rollouts.context(stopping=self.stop_event.is_set) as ctx:
+            try:
+                while not self.stop_event.is_set():
+                    while len(tasks) < in_flight and not self.stop_event.is_set():
+                        tasks.add(asyncio.create_task(self._one_group(ctx)))
+                    if not tasks:
+                        break
+                    done, tasks = await asyncio.wait(tasks, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+                    # one error is raised; reading them all keeps asyncio from logging the others (a dead
+                    # engine fails every group in flight at once)
+                    failed = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
+                    if failed:
+                        raise failed[0]
+            finally:
+                for t in tasks:
+                    t.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _one_group(self) -> None:
-        run, cfg = self.run_, self.run_.cfg
+    async def _one_group(self, ctx: RolloutContext) -> None:
+        run = self.run_
         try:
             record = self.retry.get_nowait()
         except queue.Empty:
@@ -87,26 +98,16 @@ class _Producer(threading.Thread):
         with self.lock:
             group_index = self.groups_made
             self.groups_made += 1
-        eos = run.tokenizer.eos_token_id
-        request = GenerationRequest(
-            prompt_token_ids=list(record.prompt_token_ids),
-            sampling=cfg.rollout.sampling.params(n=cfg.rollout.n_samples_per_prompt,
-                                                 seed=request_seed(cfg.run.seed, group_index, record.index),
-                                                 eos_token_id=eos),
-        )
-        result = await run.engine.agenerate(request)
-        samples = [completion_to_sample(record, c, tokenizer=run.tokenizer, group_index=group_index, index=i)
-                   for i, c in enumerate(result.completions)]
-        if any(s.status == SampleStatus.ABORTED for s in samples):  # aborted by a weight update
+        seed = request_seed(run.cfg.run.seed, group_index, record.index)
+        samples, metrics = await run.rollouts.group(ctx, record, group_index=group_index, seed=seed)
+        if any(s.metadata.get("status_reason") == "engine_abort" for s in samples):  # a weight update aborted it
+            self.regenerated += 1
             self.retry.put(record)
             return
-        scorable = [s for s in samples if s.status != SampleStatus.FAILED]
-        if scorable:
-            await asyncio.get_running_loop().run_in_executor(None, run.rewards.score, scorable)
         self.generated_tokens += sum(s.response_length for s in samples)
         while not self.stop_event.is_set():  # backpressure: wait for room in the queue
             try:
-                self.out.put((record, samples), timeout=0.2)
+                self.out.put((record, samples, metrics), timeout=0.2)
                 return
             except queue.Full:
                 await asyncio.sleep(0.05)
@@ -117,34 +118,45 @@ def train_fully_async(run: Run) -> None:
     groups: queue.Queue = queue.Queue(maxsize=cfg.runtime.queue_groups)
     producer = _Producer(run, groups)
     producer.start()
+    budget = cfg.rollout.max_rounds * cfg.rollout.prompts_per_step  # groups one step may consume
     try:
         for step in range(run.step, cfg.run.steps):
             t0 = time.perf_counter()
             run.progress.phase(step, "wait for rollouts")
             batch: list[Sample] = []
             every: list[Sample] = []
-            dropped_stale = 0
-            tokens_before = producer.generated_tokens
-            while len({s.group_index for s in batch}) < cfg.rollout.prompts_per_step:
+            extra: dict[str, float] = {}
+            dropped_stale = taken = 0
+            tokens_before, regenerated_before = producer.generated_tokens, producer.regenerated
+            while len({s.group_index for s in batch}) < cfg.rollout.prompts_per_step and taken < budget:
                 item = groups.get()
                 if item is _STOP:
                     raise RuntimeError(f"the rollout producer failed: {producer.error}") from producer.error
-                record, samples = item
-                lag = run.version - min((min(s.weight_versions) for s in samples if s.weight_versions), default=run.version)
+                record, samples, group_metrics = item
+                lag = run.version - min((min(s.weight_versions) for s in samples if s.weight_versions),
+                                        default=run.version)
                 if lag > cfg.runtime.max_staleness:
                     dropped_stale += 1
                     if cfg.runtime.stale_policy == "regenerate":
                         producer.retry.put(record)
                     continue
+                taken += 1
                 every += samples
-                kept, _dropped, _fm = filter_samples(samples, cfg.algorithm.filters)
+                add_metrics(extra, group_metrics)
+                kept, _dropped, fm = filter_samples(samples, cfg.algorithm.filters)
+                add_metrics(extra, fm)
                 batch += kept
+            for i, s in enumerate(batch):  # the step's samples in the order they are trained on
+                s.index = i
             wait_s = time.perf_counter() - t0
-            metrics = rollout_metrics(every, seconds=wait_s)
+            metrics = rollout_metrics(every, seconds=wait_s) | episode_metrics(every) | Rollouts.finish_metrics(extra)
             metrics |= staleness_metrics(batch, run.version)
             metrics |= {"async/queue_depth": float(groups.qsize()), "async/dropped_stale": float(dropped_stale),
-                        "time/wait_rollout_s": wait_s,
-                        "async/producer_tokens": float(producer.generated_tokens - tokens_before)}
+                        "time/wait_rollout_s": wait_s, "rollout/groups_kept": float(len({s.group_index for s in batch})),
+                        "async/producer_tokens": float(producer.generated_tokens - tokens_before),
+                        "async/regenerated": float(producer.regenerated - regenerated_before)}
+            if cfg.rollout.dump:
+                run.dump(step, every)
             metrics |= run.train_on(step, batch)
             metrics |= run.sync_weights()
             if not cfg.runtime.partial_rollouts:

@@ -1,101 +1,70 @@
 """Build the components of a run from its config; each gets its own section and nothing else.
 
-Engines are imported here, lazily, only for the engine a run asks for. The placement decides where the
-inference engine runs: in the trainer's process (``colocated``, synced in-process) or in a process of
-its own (``separate``: a `RemoteEngine`, synced by broadcast or disk); `check_placement` refuses a
-transport that does not fit. A later placement (Ray actor groups) adds a branch to `build_separate`'s
-caller: it gets the same `EngineSpec`, and its engine actors host an `EngineServer`.
+Engines are looked up in the engine registry (`tandem.engines.registry`): a run's ``trainer.engine``
+and ``inference.engine`` name an entry (or give its import path), whose ``fill`` completes the engine's
+own section from the run's facts and whose capabilities decide what the run may ask of it. Nothing here
+names a particular engine. `plan_engines` does that once, at start-up, before anything is built, and
+refuses a setting an engine cannot honour with the setting and the reason; `check_built` repeats the
+capability check against the built engines' ``info`` (e.g. a sleep mode that exists only on GPUs).
+
+The placement decides where the inference engine runs: in the trainer's process (``colocated``, synced
+in-process) or in a process of its own (``separate``: a `RemoteEngine`, synced by broadcast or disk);
+`check_placement` refuses a transport that does not fit. Both build from the same `EngineSpec`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import functools
 from typing import Any
 
 from tandem.config import ConfigError
+from tandem.core.protocols import EngineInfo
 from tandem.core.schedulers import lr_multiplier
-from tandem.plugins import Registry
-from tandem.rollout.agent import agentic_tool_call, multi_turn
-from tandem.rollout.generate import single_turn
+from tandem.engines.registry import EngineEntry, EngineSpec, RunFacts, Unsupported
+from tandem.plugins import PluginError
+from tandem.rollout.functions import GenerateFunction, resolve_generate
 from tandem.runtime.config import RunConfig
-from tandem.runtime.remote_engine import EngineSpec, RemoteEngine
+from tandem.runtime.remote_engine import RemoteEngine
 from tandem.sync import build_sender
 
 __all__ = [
-    "GENERATE_FUNCTIONS",
+    "EnginePlan",
     "build_inference_engine",
     "build_separate",
     "build_training_engine",
+    "check_built",
     "check_placement",
+    "check_rollout",
     "inference_engine_spec",
+    "plan_engines",
     "resolve_generate",
+    "run_facts",
+    "training_engine_spec",
 ]
 
-# A generate function: (engine, prompts, *, n, sampling, tokenizer, seed, step, first_group,
-# routed_experts) -> list[Sample]. Built-ins by name; user functions by import path.
-GENERATE_FUNCTIONS: Registry = Registry("generate function", required_params=2)
-GENERATE_FUNCTIONS.register("single_turn")(single_turn)
-GENERATE_FUNCTIONS.register("multi_turn")(multi_turn)  # rollout.agent settings (docs/agentic.md)
-GENERATE_FUNCTIONS.register("agentic_tool_call")(agentic_tool_call)
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class EnginePlan:
+    """The run's two engines: their entries, filled configs and the facts they were filled from."""
+
+    trainer: EngineEntry
+    trainer_config: Any
+    engine: EngineEntry
+    engine_config: Any
+    facts: RunFacts  # with the trainer's facts merged in
 
 
-def resolve_generate(name: str) -> Callable[..., Any]:
-    return GENERATE_FUNCTIONS.resolve(name)
-
-
-def fsdp_config(cfg: RunConfig):
-    from tandem.engines.training.fsdp.config import CriticConfig, FSDPConfig, RefConfig
-
-    fc = cfg.trainer.fsdp or FSDPConfig(model=cfg.model)
-    # The trainer scores tokens with the rollout's temperature: the shared log-prob convention.
-    changes: dict[str, Any] = {"seed": cfg.run.seed, "temperature": cfg.rollout.sampling.temperature or 1.0}
-    if fc.model is None:
-        changes["model"] = cfg.model
-    if cfg.algorithm.needs_ref and fc.ref is None:
-        changes["ref"] = RefConfig()
-    if cfg.algorithm.needs_critic and fc.critic is None:
-        changes["critic"] = CriticConfig()
-    if cfg.sync.lora_mode == "adapter" and fc.lora is not None:
-        changes["lora"] = dataclasses.replace(fc.lora, sync="adapter")
-    return dataclasses.replace(fc, **changes)
-
-
-def torch_engine_config(cfg: RunConfig):
-    from tandem.engines.inference.torch.config import TorchEngineConfig
-
-    ec = cfg.inference.torch or TorchEngineConfig(model=cfg.model)
-    # A run never needs slots longer than its longest prompt + response: size the KV cache for it.
-    changes: dict[str, Any] = {"seed": cfg.run.seed, "max_model_len": min(ec.max_model_len, _run_context(cfg))}
-    if ec.model is None:
-        changes["model"] = cfg.model
-    return dataclasses.replace(ec, **changes)
-
-
-def vllm_engine_config(cfg: RunConfig):
-    """The vLLM adapter's section with the run's model, seed and context; refuses what it cannot serve."""
-    from tandem.engines.inference.vllm.config import VLLMEngineConfig
-
-    fsdp = cfg.trainer.fsdp
-    unsupported = {  # setting -> why the vLLM adapter cannot honour it
-        "rollout.recompute_log_probs": (cfg.rollout.recompute_log_probs, "it has no prefill score()"),
-        "trainer.fsdp.routing_replay": (getattr(fsdp, "routing_replay", False), "vLLM returns no routed experts"),
-        "sync.delta": (cfg.sync.delta, "vLLM reloads whole layers, so it needs full updates"),
-    }
-    for name, (on, why) in unsupported.items():
-        if on:
-            raise ConfigError(
-                f"{name}: true does not work with inference.engine: vllm ({why}); use inference.engine: torch"
-            )
-    ec = cfg.inference.vllm or VLLMEngineConfig(model=cfg.model)
-    changes: dict[str, Any] = {"seed": cfg.run.seed, "max_model_len": min(ec.max_model_len, _run_context(cfg))}
-    if ec.model is None:
-        changes["model"] = cfg.model
-    lora = getattr(fsdp, "lora", None)
-    if cfg.sync.lora_mode == "adapter" and lora is not None and ec.lora_alpha is None:
-        # adapter-only sync: vLLM serves the trainer's adapter with the trainer's scaling
-        changes |= {"lora_alpha": lora.alpha, "lora_max_rank": max(ec.lora_max_rank, lora.rank)}
-    return dataclasses.replace(ec, **changes)
+def run_facts(cfg: RunConfig) -> RunFacts:
+    """What the engine entries may read off the run (before the trainer's own facts are merged in)."""
+    alg = cfg.algorithm
+    return RunFacts(
+        model=cfg.model, seed=cfg.run.seed, max_context=_run_context(cfg),
+        temperature=cfg.rollout.sampling.temperature or 1.0, mode=cfg.runtime.mode,
+        placement=cfg.runtime.placement, needs_ref=alg.needs_ref, needs_critic=alg.needs_critic,
+        recompute_log_probs=cfg.rollout.recompute_log_probs, adapter_sync=cfg.sync.lora_mode == "adapter",
+        delta_sync=cfg.sync.delta, verify_sync=cfg.sync.verify,
+    )
 
 
 def _run_context(cfg: RunConfig) -> int:
@@ -108,45 +77,72 @@ def _run_context(cfg: RunConfig) -> int:
     return min(cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens, limit)
 
 
-def megatron_config(cfg: RunConfig):
-    from tandem.engines.training.megatron.config import MegatronConfig, MegatronRefConfig
-
-    mc = cfg.trainer.megatron or MegatronConfig(model=cfg.model)
-    if cfg.algorithm.needs_critic:
-        raise ValueError("trainer.engine=megatron has no critic; use trainer.engine=fsdp for PPO with a value model")
-    changes: dict[str, Any] = {"seed": cfg.run.seed, "temperature": cfg.rollout.sampling.temperature or 1.0}
-    if mc.model is None:
-        changes["model"] = cfg.model
-    if cfg.algorithm.needs_ref and mc.ref is None:
-        changes["ref"] = MegatronRefConfig()
-    return dataclasses.replace(mc, **changes)
-
-
-def build_training_engine(cfg: RunConfig):
-    schedule = cfg.algorithm.lr_schedule
-    lr_lambda = lambda step: lr_multiplier(step, schedule)  # noqa: E731
-    if cfg.trainer.engine == "megatron":
-        from tandem.engines.training.megatron import MegatronEngine
-
-        return MegatronEngine(megatron_config(cfg), lr_lambda=lr_lambda)
-    from tandem.engines.training.fsdp import FSDPEngine
-
-    return FSDPEngine(fsdp_config(cfg), lr_lambda=lr_lambda)
+def plan_engines(cfg: RunConfig) -> EnginePlan:
+    """Both engines' configs, filled from the run; `ConfigError` for a setting an engine cannot honour."""
+    try:
+        trainer = cfg.trainer.entry
+        engine = cfg.inference.entry
+        facts = run_facts(cfg)
+        trainer_config = trainer.configure(facts, cfg.trainer.config)
+        if trainer.describe is not None:
+            facts = facts.with_trainer(trainer.describe(trainer_config))
+        engine_config = engine.configure(facts, cfg.inference.config)
+    except (Unsupported, PluginError) as e:
+        raise ConfigError(str(e)) from None
+    return EnginePlan(trainer=trainer, trainer_config=trainer_config, engine=engine, engine_config=engine_config,
+                      facts=facts)
 
 
-def inference_engine_spec(cfg: RunConfig) -> EngineSpec:
+def training_engine_spec(cfg: RunConfig, plan: EnginePlan | None = None) -> EngineSpec:
+    """What builds the run's training engine (a picklable LR schedule, for ranks in other processes)."""
+    plan = plan or plan_engines(cfg)
+    lr_lambda = functools.partial(lr_multiplier, cfg=cfg.algorithm.lr_schedule)
+    return plan.trainer.spec(plan.trainer_config, lr_lambda=lr_lambda)
+
+
+def inference_engine_spec(cfg: RunConfig, plan: EnginePlan | None = None) -> EngineSpec:
     """What builds the run's inference engine, in this process or another one."""
-    if cfg.inference.engine == "vllm":
-        return EngineSpec(factory="tandem.engines.inference.vllm.engine:VLLMEngine",
-                          config=vllm_engine_config(cfg))
-    if cfg.inference.engine != "torch":
-        raise ValueError(f"inference.engine={cfg.inference.engine!r} is not available (choose: torch, vllm)")
-    return EngineSpec(factory="tandem.engines.inference.torch:TorchEngine", config=torch_engine_config(cfg))
+    plan = plan or plan_engines(cfg)
+    return plan.engine.spec(plan.engine_config)
 
 
-def build_inference_engine(cfg: RunConfig):
+def build_training_engine(cfg: RunConfig, plan: EnginePlan | None = None):
+    return _build(training_engine_spec(cfg, plan), (plan or plan_engines(cfg)).trainer)
+
+
+def build_inference_engine(cfg: RunConfig, plan: EnginePlan | None = None):
     """The engine in this process (colocated placement)."""
-    return inference_engine_spec(cfg).build()
+    plan = plan or plan_engines(cfg)
+    return _build(inference_engine_spec(cfg, plan), plan.engine)
+
+
+def _build(spec: EngineSpec, entry: EngineEntry):
+    try:
+        return spec.build()
+    except ImportError as e:
+        if entry.install is None:
+            raise
+        raise ImportError(f"{entry.kind} engine {entry.name!r} needs a package that is not installed ({e}); "
+                          f"{entry.install}") from e
+
+
+def check_built(plan: EnginePlan, trainer_info: EngineInfo, engine_info: EngineInfo) -> None:
+    """Refuse the run if a built engine lacks a capability the run needs (its ``info`` is authoritative)."""
+    try:
+        plan.trainer.check_capabilities(plan.trainer.requirements(plan.facts), trainer_info)
+        plan.engine.check_capabilities(plan.engine.requirements(plan.facts), engine_info)
+    except Unsupported as e:
+        raise ConfigError(str(e)) from None
+    if trainer_info.routed_experts and not engine_info.moe:
+        raise ConfigError(f"the trainer replays routed experts (R3) but {engine_info.name} serves a dense model")
+
+
+def check_rollout(cfg: RunConfig) -> GenerateFunction:
+    """The run's generate function, resolved now (an import path is imported: user code)."""
+    try:
+        return resolve_generate(cfg.rollout.generate)
+    except PluginError as e:
+        raise ConfigError(f"rollout.generate: {e}") from None
 
 
 # The transports that can reach the engine in each placement.
@@ -173,16 +169,17 @@ def check_placement(cfg: RunConfig) -> None:
         )
 
 
-def build_separate(cfg: RunConfig):
+def build_separate(cfg: RunConfig, plan: EnginePlan | None = None):
     """``(RemoteEngine, sender)`` for the separate placement. The sender comes first: a broadcast
     sender hosts the rendezvous on a free port, which the engine process is then told."""
+    spec = inference_engine_spec(cfg, plan)
     sender = build_sender(cfg.sync)
     engine_sync = cfg.sync
     if cfg.sync.transport == "broadcast":
         inner = getattr(sender, "sender", sender)  # under a quantize-on-send wrapper
         engine_sync = dataclasses.replace(cfg.sync, host=inner.host, port=inner.port)
     try:
-        return RemoteEngine(inference_engine_spec(cfg), sync=engine_sync), sender
+        return RemoteEngine(spec, sync=engine_sync), sender
     except BaseException:
         sender.close()
         raise

@@ -7,15 +7,15 @@ section and nothing else. The top-level ``model`` is the policy: the engine sect
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, ClassVar, Literal
 
+from tandem.config import ConfigError, from_dict, unknown_key
 from tandem.core.algorithm import AlgorithmConfig
-from tandem.engines.inference.torch.config import TorchEngineConfig
-from tandem.engines.inference.vllm.config import VLLMEngineConfig
-from tandem.engines.training.fsdp.config import FSDPConfig
-from tandem.engines.training.megatron.config import MegatronConfig
+from tandem.engines.registry import EngineEntry, registry
 from tandem.models.registry import ModelConfig
+from tandem.plugins import PluginError
 from tandem.rewards.hub import RewardConfig
 from tandem.rollout.agent import AgentConfig
 from tandem.rollout.data import DataConfig
@@ -24,6 +24,7 @@ from tandem.runtime.tracking import TrackingConfig
 from tandem.sync.base import SyncConfig
 
 __all__ = [
+    "EngineSection",
     "InferenceSection",
     "RolloutConfig",
     "RunConfig",
@@ -107,17 +108,72 @@ class RuntimeConfig:
 
 
 @dataclass(kw_only=True, slots=True)
-class TrainerSection:
-    engine: Literal["fsdp", "megatron"] = "fsdp"
-    fsdp: FSDPConfig | None = None  # its `model` defaults to the run's model
-    megatron: MegatronConfig | None = None  # likewise
+class EngineSection:
+    """A ``trainer:`` or ``inference:`` section: ``engine`` (a registered name, or the import path of an
+    `EngineEntry`, ``module:ENTRY``: user code, imported when the recipe is read) and, under an engine's
+    name, that engine's own settings (``inference.vllm: {...}``), validated against its config class.
+    Sections of engines the run does not use may stay in a recipe (switching engines is one override).
+    The engine sections leave their ``model`` unset: the runtime fills in the run's model."""
+
+    KIND: ClassVar[str] = ""
+    engine: str
+    settings: dict[str, Any] = field(default_factory=dict)  # engine name -> its config (or None)
+
+    def __post_init__(self) -> None:
+        entry = self.entry  # raises for an unknown engine
+        valid = set(registry(self.KIND).names()) | {entry.name}
+        unknown = sorted(set(self.settings) - valid)
+        if unknown:
+            raise ValueError(f"settings for unknown engine {unknown[0]!r} (engines: {', '.join(sorted(valid))})")
+
+    @property
+    def entry(self) -> EngineEntry:
+        return registry(self.KIND).get(self.engine)
+
+    @property
+    def config(self) -> Any:
+        """The selected engine's own section (None: all defaults; the runtime fills it in)."""
+        return self.settings.get(self.entry.name)
+
+    @classmethod
+    def from_config_dict(cls, data: Mapping[str, Any], *, path: str) -> EngineSection:
+        engine = data.get("engine", cls.__dataclass_fields__["engine"].default)
+        if not isinstance(engine, str) or not engine:
+            raise ConfigError(f"{path}.engine: expected an engine name or 'module:ENTRY', got {engine!r}")
+        reg = registry(cls.KIND)
+        try:
+            entry = reg.get(engine)
+        except PluginError as e:
+            raise ConfigError(f"{path}.engine: {e}") from None
+        valid = ["engine", *reg.names(), entry.name]
+        settings = {}
+        for key, value in data.items():
+            if key == "engine":
+                continue
+            if key not in valid:
+                raise unknown_key(path, str(key), sorted(set(valid)))
+            owner = entry if key == entry.name else reg.get(key)
+            settings[key] = None if value is None else from_dict(owner.config_class(), value, path=f"{path}.{key}")
+        return cls(engine=engine, settings=settings)
+
+    def to_config_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine, **self.settings}
 
 
 @dataclass(kw_only=True, slots=True)
-class InferenceSection:
-    engine: Literal["torch", "vllm"] = "torch"
-    torch: TorchEngineConfig | None = None  # its `model` defaults to the run's model
-    vllm: VLLMEngineConfig | None = None  # likewise (docs/vllm.md; needs vllm installed)
+class TrainerSection(EngineSection):
+    """``trainer:``: ``fsdp`` (default), ``megatron`` or a plug-in (docs/design.md, the engine registry)."""
+
+    KIND: ClassVar[str] = "training"
+    engine: str = "fsdp"
+
+
+@dataclass(kw_only=True, slots=True)
+class InferenceSection(EngineSection):
+    """``inference:``: ``torch`` (the embedded engine, default), ``vllm`` or a plug-in."""
+
+    KIND: ClassVar[str] = "inference"
+    engine: str = "torch"
 
 
 @dataclass(kw_only=True, slots=True)
@@ -136,7 +192,12 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         off = self.algorithm.off_policy
-        if self.runtime.mode != "sync" and getattr(off, "mode", "none") == "none":
+        if self.rollout.load_dump and self.runtime.mode != "sync":
+            raise ValueError(
+                f"rollout.load_dump replays a run's steps in order; it works with runtime.mode: sync, not "
+                f"{self.runtime.mode!r}"
+            )
+        if self.runtime.mode != "sync" and off.mode == "none":
             raise ValueError(
                 f"runtime.mode={self.runtime.mode!r} trains on samples from older weights: set an explicit "
                 "off-policy correction (algorithm.off_policy.mode: tis / mis / icepop) so the rollout "

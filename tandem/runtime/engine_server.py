@@ -1,7 +1,7 @@
 """The engine side of the separate placement: `EngineSpec`, `EngineServer` and the engine process's main.
 
-`EngineSpec` names what to build (an import path and that engine's own config: it imports neither
-the trainer nor the run config). `EngineServer` holds the engine and, with a sync config, an
+`EngineSpec` (tandem.engines.registry) names what to build (an import path and that engine's own
+config: it imports neither the trainer nor the run config). `EngineServer` holds the engine and, with a sync config, an
 `EngineReceiver` thread that takes weight updates from the sync transport (broadcast or disk) and
 applies them between two engine steps; ``await server.handle(method, *args)`` runs one of its
 allowlisted methods. Neither depends on how calls arrive: `engine_process_main` serves them over the
@@ -15,8 +15,6 @@ own); a blocking ``generate`` becomes concurrent ``agenerate``s there, so an ``a
 from __future__ import annotations
 
 import asyncio
-import dataclasses
-import importlib
 import json
 import multiprocessing.connection
 import os
@@ -30,11 +28,13 @@ from typing import Any
 
 import torch
 
-from tandem.core.protocols import GenerationRequest, GenerationResult
+from tandem.core.protocols import GenerationRequest, GenerationResult, LoRAEngine, ScoringEngine
+from tandem.engines.registry import EngineSpec
 from tandem.runtime.engine_wire import (
     CONTROL,
     ERROR,
     FATAL,
+    MANY,
     OK,
     READY,
     UndecodableFrame,
@@ -42,26 +42,16 @@ from tandem.runtime.engine_wire import (
     encode,
     error_payload,
 )
-from tandem.sync.base import BucketHeader, SyncConfig, tensor_hashes, unflatten_bucket
+from tandem.sync.base import (
+    BucketHeader,
+    SyncConfig,
+    bucketize,
+    flatten_bucket,
+    tensor_hashes,
+    unflatten_bucket,
+)
 
 __all__ = ["EngineServer", "EngineSpec", "engine_process_main"]
-
-
-@dataclasses.dataclass(kw_only=True, slots=True)
-class EngineSpec:
-    """An engine to build in another process: ``factory`` (``module:Class``) called with ``config``."""
-
-    factory: str
-    config: Any
-
-    def __post_init__(self) -> None:
-        module, _, attr = self.factory.partition(":")
-        if not module or not attr:
-            raise ValueError(f"engine factory {self.factory!r} must be 'module:callable'")
-
-    def build(self) -> Any:
-        module, _, attr = self.factory.partition(":")
-        return getattr(importlib.import_module(module), attr)(self.config)
 
 
 class EngineServer:
@@ -70,8 +60,9 @@ class EngineServer:
     Runs in the engine's process, on the asyncio loop that drives the engine.
     """
 
-    METHODS = ("generate", "agenerate", "abort", "abort_all", "score", "update_weights", "sleep", "wake_up",
-               "health", "weight_version", "wait_for_version", "weight_digest", "close")
+    METHODS = ("generate", "agenerate", "abort", "abort_all", "score", "update_weights", "load_lora_adapter",
+               "named_weights", "sleep", "wake_up", "health", "weight_version", "wait_for_version", "weight_digest",
+               "close")
 
     def __init__(self, engine: Any, receiver: Any = None) -> None:
         self.engine, self.receiver = engine, receiver
@@ -90,11 +81,8 @@ class EngineServer:
         return cls(engine, receiver)
 
     def info(self) -> dict[str, Any]:
-        """What the trainer learns once the engine is built: pid, model architecture, weight version."""
-        args = getattr(getattr(self.engine, "model", None), "args", None)
-        fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.name != "hf_config"} \
-            if dataclasses.is_dataclass(args) else None
-        return {"pid": os.getpid(), "model_args": fields, "weight_version": int(self.engine.weight_version)}
+        """What the trainer learns once the engine is built: pid, the engine's `EngineInfo`, weight version."""
+        return {"pid": os.getpid(), "info": self.engine.info, "weight_version": int(self.engine.weight_version)}
 
     async def handle(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if method not in self.METHODS:
@@ -121,11 +109,29 @@ class EngineServer:
         self.engine.abort_all()
 
     def _score(self, sequences, **kwargs: Any) -> list[list[float]]:
-        return self.engine.score(sequences, **kwargs)
+        if not self.engine.info.can_score:
+            raise ValueError(f"{self.engine.info.name} cannot score sequences (its info.can_score is false)")
+        engine: ScoringEngine = self.engine
+        return engine.score(sequences, **kwargs)
 
     def _update_weights(self, buckets: list[tuple[torch.Tensor, BucketHeader]], version: int) -> None:
         named = [nt for flat, header in buckets for nt in unflatten_bucket(flat, header)]  # checks checksums
         self.engine.update_weights(named, version)
+
+    def _load_lora_adapter(self, buckets: list[tuple[torch.Tensor, BucketHeader]], version: int) -> None:
+        if not self.engine.info.lora_adapters:
+            raise ValueError(f"{self.engine.info.name} cannot load LoRA adapters (its info.lora_adapters is false)")
+        engine: LoRAEngine = self.engine
+        engine.load_lora_adapter([nt for flat, header in buckets for nt in unflatten_bucket(flat, header)], version)
+
+    def _named_weights(self) -> list[tuple[str, bytes]]:
+        from tandem.sync.verify import engine_weights
+
+        out = []
+        for bucket in bucketize(engine_weights(self.engine).items(), 256 * 1024 * 1024):
+            flat, header = flatten_bucket([(n, t.detach().cpu().contiguous()) for n, t in bucket])
+            out.append((header.to_json(), flat.numpy().tobytes()))
+        return out
 
     def _sleep(self) -> None:
         self.engine.sleep()
@@ -234,6 +240,10 @@ async def _serve(server: EngineServer, conn) -> None:
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
+    def start_many(calls: list[tuple[int, str, tuple]]) -> None:  # one loop turn: they join one engine step
+        for call_id, method, args in calls:
+            start(call_id, method, args, {})
+
     def read() -> None:
         while True:
             try:
@@ -243,7 +253,10 @@ async def _serve(server: EngineServer, conn) -> None:
                 return
             try:
                 call_id, _status, (method, args, kwargs) = decode(frame)
-                if method == "update_weights":  # raw bucket frames follow the call
+                if method == MANY:
+                    loop.call_soon_threadsafe(start_many, args)
+                    continue
+                if method in ("update_weights", "load_lora_adapter"):  # raw bucket frames follow the call
                     headers, version = args
                     args = (_receive_buckets(conn, headers), version)
             except UndecodableFrame as e:

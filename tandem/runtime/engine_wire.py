@@ -19,12 +19,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from tandem.core.protocols import GenerationRequest
+from tandem.core.protocols import CapabilityError, EngineAsleepError, EngineClosedError, GenerationRequest
 
 __all__ = [
     "CONTROL",
     "ERROR",
     "FATAL",
+    "MANY",
     "OK",
     "READY",
     "EngineCallError",
@@ -40,8 +41,11 @@ __all__ = [
 _HEAD = struct.Struct("<qB")  # call id, status
 OK, ERROR, READY, FATAL = 0, 1, 2, 3
 CONTROL = -1  # call id of READY / FATAL frames
+MANY = "__many__"  # a frame holding several calls [(call_id, method, args)], started together
 # errors the trainer can handle by type; any other raises as EngineCallError with the type in its text
-_MAPPED_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError, "TimeoutError": TimeoutError}
+_MAPPED_ERRORS = {"ValueError": ValueError, "TypeError": TypeError, "KeyError": KeyError, "TimeoutError": TimeoutError,
+                  "EngineAsleepError": EngineAsleepError, "EngineClosedError": EngineClosedError,
+                  "CapabilityError": CapabilityError}
 
 
 class EngineProcessError(RuntimeError):
@@ -61,7 +65,8 @@ class UndecodableFrame(Exception):
 
 
 _ALLOWED_GLOBALS = {
-    "tandem.core.protocols": {"GenerationRequest", "GenerationResult", "Completion", "SamplingParams", "FinishReason"},
+    "tandem.core.protocols": {"GenerationRequest", "GenerationResult", "Completion", "SamplingParams", "FinishReason",
+                              "EngineInfo"},
     "numpy": {"ndarray", "dtype"},
     "numpy._core.numeric": {"_frombuffer"},
     "numpy.core.numeric": {"_frombuffer"},

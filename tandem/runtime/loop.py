@@ -42,6 +42,7 @@ from tandem.runtime.engine_wire import EngineProcessError
 from tandem.runtime.metrics import rollout_metrics, staleness_metrics
 from tandem.runtime.policy import merge_mini_batch_metrics, mini_batch_rows, old_log_prob_source, run_contract
 from tandem.runtime.progress import Progress
+from tandem.runtime.rollouts import Rollouts
 from tandem.runtime.tracking import Tracker
 from tandem.sync import build_sender
 
@@ -62,6 +63,9 @@ class Run:
                 "or pass --overwrite to replace it"
             )
         builders.check_placement(cfg)
+        # every engine setting the run asks for is checked now, before anything is built
+        self.plan = builders.plan_engines(cfg)
+        self.generate_fn = builders.check_rollout(cfg)
         self.cfg = cfg
         self.run_dir = run_dir
         if overwrite and not resume:
@@ -72,27 +76,32 @@ class Run:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.data = DataSource(cfg.data, self.tokenizer)
         self.rewards = RewardHub(cfg.reward)
-        self.generate_fn = builders.resolve_generate(cfg.rollout.generate)
+        self.engine: Any = None
+        self.sync: Any = None
+        self.trainer: Any = None
         self.separate = cfg.runtime.placement == "separate"
         if self.separate:  # the engine process starts while this one builds the trainer
-            self.engine, self.sync = builders.build_separate(cfg)
+            self.engine, self.sync = builders.build_separate(cfg, self.plan)
         try:
             self._init_components(resume)
         except BaseException:
-            if self.separate:
-                self._close_engine()
+            self._release_partial()
             raise
 
     def _init_components(self, resume: bool) -> None:
         cfg = self.cfg
-        self.trainer = builders.build_training_engine(cfg)
+        self.trainer = builders.build_training_engine(cfg, self.plan)
         if self.separate:
             self.engine.wait_ready()
         else:
-            self.engine = builders.build_inference_engine(cfg)
+            self.engine = builders.build_inference_engine(cfg, self.plan)
             self.sync = build_sender(cfg.sync, engine=self.engine)
+        builders.check_built(self.plan, self.trainer.info, self.engine.info)
+        self.rollouts = Rollouts(cfg, generate=self.generate_fn, engine=self.engine, tokenizer=self.tokenizer,
+                                 rewards=self.rewards, data=self.data, routed_experts=self.trainer.info.routed_experts)
         self.kl_ctl = cfg.algorithm.kl_controller()
-        self.contract = run_contract(cfg, self.trainer, self.engine)
+        self.contract = run_contract(cfg, self.trainer.info, self.engine.info,
+                                     hints={**self.plan.trainer.hints, **self.plan.engine.hints})
         self.contract_check = ContractCheck(contract=self.contract, on_violation=cfg.algorithm.contract.on_violation)
         self.old_source = old_log_prob_source(cfg, self.contract)
         log.info("log-prob contract: %s (%s); old log-probs: %s", self.contract.relation, self.contract.note,
@@ -121,63 +130,12 @@ class Run:
 
     def rollout(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """Generate, score and filter until ``prompts_per_step`` groups survive (or ``max_rounds``)."""
-        cfg = self.cfg.rollout
-        if cfg.load_dump:
+        if self.cfg.rollout.load_dump:
             return self._load_dump(step)
-        kept: list[Sample] = []
-        everything: list[Sample] = []
-        filter_metrics: dict[str, float] = {}
-        extra: dict[str, float] = {}
-        gen_s = reward_s = 0.0
-        for round_ in range(cfg.max_rounds):
-            need = cfg.prompts_per_step - len({s.group_index for s in kept})
-            if need <= 0:
-                break
-            prompts = self.data.next_prompts(need)
-            self.progress.phase(step, "generate")
-            t0 = time.perf_counter()
-            samples = self.generate_fn(
-                self.engine, prompts, n=cfg.n_samples_per_prompt, sampling=cfg.sampling, tokenizer=self.tokenizer,
-                seed=self.cfg.run.seed + 7919 * round_, step=step, first_group=len(everything),
-                routed_experts=bool(getattr(self.trainer.config, "routing_replay", False)),
-                config=cfg,
-            )
-            gen_s += time.perf_counter() - t0
-            if cfg.recompute_log_probs:
-                self._recompute_log_probs(samples, extra)
-            self.progress.phase(step, "reward")
-            t0 = time.perf_counter()
-            scorable = [s for s in samples if s.status not in (SampleStatus.FAILED, SampleStatus.ABORTED)]
-            if scorable:
-                self.rewards.score(scorable)
-            reward_s += time.perf_counter() - t0
-            everything += samples
-            ok, _dropped, fm = filter_samples(samples, self.cfg.algorithm.filters)
-            kept += ok
-            for k, v in fm.items():
-                filter_metrics[k] = filter_metrics.get(k, 0.0) + v
-        metrics = rollout_metrics(everything, seconds=gen_s) | filter_metrics | extra
-        metrics |= {"time/reward_s": reward_s, "rollout/rounds": float(round_ + 1),
-                    "rollout/groups_kept": float(len({s.group_index for s in kept}))}
-        if cfg.dump:
-            self._dump(step, everything)
+        kept, everything, metrics = self.rollouts.step(step, phase=lambda name: self.progress.phase(step, name))
+        if self.cfg.rollout.dump:
+            self.dump(step, everything)
         return kept, metrics
-
-    def _recompute_log_probs(self, samples: Sequence[Sample], metrics: dict[str, float]) -> None:
-        """Replace decode-time rollout log-probs by a prefill pass of the engine (``engine.score``)."""
-        live = [s for s in samples if s.response_length > 0]
-        if not live:
-            return
-        t0 = time.perf_counter()
-        scored = self.engine.score([(s.tokens, s.prompt_length) for s in live],
-                                   temperature=self.cfg.rollout.sampling.temperature or 1.0)
-        diff = n = 0.0
-        for s, lp in zip(live, scored, strict=True):
-            diff += sum(abs(a - b) for a, b in zip(lp, s.rollout_log_probs, strict=True))
-            n += len(lp)
-            s.rollout_log_probs = lp
-        metrics["rollout/recompute_abs_diff_mean"] = diff / max(n, 1)
-        metrics["time/recompute_logprob_s"] = metrics.get("time/recompute_logprob_s", 0.0) + time.perf_counter() - t0
 
     def train_on(self, step: int, samples: Sequence[Sample]) -> dict[str, float]:
         """Advantages, reference log-probs / values, one optimizer step."""
@@ -257,9 +215,15 @@ class Run:
 
     # -- modes ----------------------------------------------------------------------------------------
 
-    def train(self) -> dict[str, Any]:
-        """Run to ``cfg.run.steps``; returns a summary (first/last reward, wall time)."""
+    def train(self, *, close: bool = True) -> dict[str, Any]:
+        """Run to ``cfg.run.steps``; returns a summary (steps, wall time, run dir).
+
+        The run is closed afterwards (engines, trainer, trackers released), also on an error. With
+        ``close=False`` a finished run stays open, its trainer and engine usable (to inspect or evaluate
+        the trained policy); close it then with `close` or a ``with`` block. An error still closes it.
+        """
         t0 = time.perf_counter()
+        failed = True
         try:
             with self.progress:
                 mode = self.cfg.runtime.mode
@@ -271,8 +235,10 @@ class Run:
                     from tandem.runtime.async_loop import train_fully_async
 
                     train_fully_async(self)
+            failed = False
         finally:
-            self.close()
+            if close or failed:
+                self.close()
         return {"steps": self.step, "wall_s": time.perf_counter() - t0, "run_dir": str(self.run_dir)}
 
     def close(self) -> None:
@@ -284,13 +250,24 @@ class Run:
         self.tracker.close()
         self.rewards.close()
         self._close_engine()
-        getattr(self.trainer, "close", lambda: None)()  # e.g. Megatron's process-wide state
+        self.trainer.close()  # e.g. Megatron's process-wide state
 
     def __enter__(self) -> Run:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    def _release_partial(self) -> None:
+        """A failed start-up (a refused capability, a trainer that failed to build): release what exists."""
+        self.rewards.close()
+        if self.engine is not None:
+            if self.sync is not None:
+                self._close_engine()
+            else:
+                self.engine.close()
+        if self.trainer is not None:
+            self.trainer.close()
 
     def _close_engine(self) -> None:
         if not self.separate or self.engine.alive:
@@ -304,7 +281,7 @@ class Run:
 
     def _sleep(self) -> None:
         # a separate engine keeps its memory; so does one without a sleep mode (vLLM on CPU)
-        if not self._asleep and not self.separate and getattr(self.engine, "supports_sleep", True):
+        if not self._asleep and not self.separate and self.engine.info.can_sleep:
             self.engine.sleep()
             self._asleep = True
 
@@ -367,14 +344,15 @@ class Run:
         kept, _dropped, metrics = filter_samples(samples, self.cfg.algorithm.filters)
         return kept, rollout_metrics(samples, seconds=0.0) | metrics
 
-    def _dump(self, step: int, samples: Sequence[Sample]) -> None:
+    def dump(self, step: int, samples: Sequence[Sample]) -> None:
+        """``rollout.dump``: every sample generated for ``step`` (filtered ones too) as JSON lines."""
         out = self.run_dir / "rollouts"
         out.mkdir(exist_ok=True)
         with (out / f"step_{step}.jsonl").open("w") as f:
             for s in samples:
                 row = {k: getattr(s, k) for k in ("prompt", "response", "tokens", "response_length", "loss_mask",
                                                   "rollout_log_probs", "reward", "label", "weight_versions",
-                                                  "group_index", "index")}
+                                                  "group_index", "index", "metadata")}
                 row["status"] = s.status.value
                 f.write(json.dumps(row, default=str) + "\n")
 

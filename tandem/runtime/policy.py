@@ -8,28 +8,31 @@ import torch
 
 from tandem.core.batch import TrainBatch
 from tandem.core.contracts import Contract, RunSettings, resolve_contract
+from tandem.core.protocols import EngineInfo
 from tandem.runtime.config import RunConfig
 
 __all__ = ["merge_mini_batch_metrics", "mini_batch_rows", "old_log_prob_source", "run_contract"]
 
 
-def run_contract(cfg: RunConfig, trainer, engine) -> Contract:
-    """Resolve the run's true-on-policy contract from its settings (raises `ContractError`)."""
-    tc = trainer.config  # FSDPConfig or MegatronConfig: read what both may have
-    engine_cfg = engine.config
-    trainer_dtype = getattr(getattr(tc, "parallel", None), "param_dtype", None) or tc.model.dtype
+def run_contract(cfg: RunConfig, trainer: EngineInfo, engine: EngineInfo, *,
+                 hints: dict[str, str] | None = None) -> Contract:
+    """Resolve the run's true-on-policy contract from the two engines' `EngineInfo` (raises `ContractError`).
+
+    ``hints``: how to turn on what an exact contract needs, from the engine entries (quoted in errors).
+    """
     settings = RunSettings(
-        trainer=cfg.trainer.engine,
-        engine=cfg.inference.engine,
-        moe=bool(engine.model.args.moe_layers),
-        trainer_dtype=trainer_dtype,
-        engine_dtype=engine_cfg.model.dtype,
-        trainer_deterministic=tc.deterministic,
-        engine_deterministic=engine_cfg.deterministic,
-        routing_replay=getattr(tc, "routing_replay", False),
-        lora=getattr(tc, "lora", None) is not None,
-        trainer_temperature=tc.temperature or 1.0,
+        trainer=trainer.name,
+        engine=engine.name,
+        moe=engine.moe,
+        trainer_dtype=trainer.dtype,
+        engine_dtype=engine.dtype,
+        trainer_deterministic=trainer.deterministic,
+        engine_deterministic=engine.deterministic,
+        routing_replay=trainer.routed_experts,
+        lora=trainer.lora_adapters,
+        trainer_temperature=trainer.temperature or 1.0,
         engine_temperature=cfg.rollout.sampling.temperature or 1.0,
+        hints=tuple((hints or {}).items()),
     )
     return resolve_contract(settings, cfg.algorithm.contract)
 

@@ -50,10 +50,11 @@ from typing import Any, TypeVar
 
 import torch
 
-from tandem.core.protocols import GenerationRequest, GenerationResult, NamedTensors
-from tandem.runtime.engine_server import EngineSpec
+from tandem.core.protocols import EngineInfo, GenerationRequest, GenerationResult, NamedTensors
+from tandem.engines.registry import EngineSpec
 from tandem.runtime.engine_wire import (
     FATAL,
+    MANY,
     OK,
     READY,
     EngineCallError,
@@ -64,7 +65,7 @@ from tandem.runtime.engine_wire import (
     plain_request,
     rebuild_error,
 )
-from tandem.sync.base import SyncConfig, bucketize, flatten_bucket
+from tandem.sync.base import BucketHeader, SyncConfig, bucketize, flatten_bucket, unflatten_bucket
 
 __all__ = ["EngineCallError", "EngineProcessError", "EngineSpec", "RemoteEngine"]
 
@@ -79,16 +80,6 @@ _EXIT_GRACE_S = 2.0  # an exchange failed: how long a dying engine process may t
 # which could import the trainer or, in a script without a main guard, start the run again).
 _CHILD_CODE = "import sys; from tandem.runtime.engine_server import engine_process_main; engine_process_main(int(sys.argv[1]))"
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding the tandem package
-
-
-class _ModelInfo:
-    """The engine's model architecture (``.args``) for callers that inspect it; its weights live in the
-    engine process."""
-
-    __slots__ = ("args",)
-
-    def __init__(self, args: Any) -> None:
-        self.args = args
 
 
 class RemoteEngine:
@@ -119,6 +110,8 @@ class RemoteEngine:
         self._conn.send_bytes(json.dumps(boot).encode())
         self._conn.send_bytes(pickle.dumps((spec, sync), protocol=5))
         self._send_lock = threading.Lock()
+        self._batch_lock = threading.Lock()
+        self._agenerate_batches: dict[asyncio.AbstractEventLoop, list] = {}
         self._pending_lock = threading.Lock()
         self._pending: dict[int, tuple[cf.Future, str]] = {}
         self._ids = itertools.count()
@@ -191,17 +184,14 @@ class RemoteEngine:
                 self.raise_if_dead()
                 raise
 
-    @property
-    def model(self) -> _ModelInfo:
-        self.wait_ready()
-        fields = self._info.get("model_args")
-        if fields is None:
-            raise AttributeError(f"{self.spec.factory} reports no model architecture")
-        from tandem.models.transformer import TransformerArgs
-
-        return _ModelInfo(TransformerArgs(**fields))
-
     # -- the InferenceEngine protocol ------------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        """The engine's `EngineInfo`, as the engine process reported it when it was built. Its capability
+        flags hold here too: every method the engine has is forwarded."""
+        self.wait_ready()
+        return self._info["info"]
 
     @property
     def weight_version(self) -> int:
@@ -212,8 +202,12 @@ class RemoteEngine:
         return self._call("generate", [plain_request(r) for r in requests]).result()
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResult:
-        """One request; concurrent calls share the engine's batch. Cancelling aborts it in the engine."""
-        future = self._call("agenerate", plain_request(request))
+        """One request; concurrent calls share the engine's batch. Cancelling aborts it in the engine.
+
+        Calls made in one turn of the event loop (a step's groups, started together) travel in one frame
+        and start together in the engine process, so they join the engine's batch in the same step, as
+        one ``generate`` call or a colocated engine would (batch composition changes the numerics)."""
+        future = self._queue_agenerate(plain_request(request))
         try:
             return await asyncio.wrap_future(future)
         except asyncio.CancelledError:
@@ -230,7 +224,7 @@ class RemoteEngine:
             self._call("abort_all").result()
 
     def score(self, sequences, *, temperature: float = 1.0, max_tokens: int = 8192) -> list[list[float]]:
-        """The engine's teacher-forced log-probs (see `TorchEngine.score`)."""
+        """The engine's teacher-forced log-probs (`ScoringEngine`; where ``info.can_score``)."""
         items = [(list(map(int, ids)), int(p)) for ids, p in sequences]
         return self._call("score", items, temperature=temperature, max_tokens=max_tokens).result()
 
@@ -238,12 +232,28 @@ class RemoteEngine:
         """Copy HF-named tensors into the engine's weights, sent over the connection as flat checksummed
         buckets. The run's syncs go through the sync transport instead; this is the protocol's direct
         path (tests, tools)."""
+        self._send_tensors("update_weights", named_tensors, version)
+
+    def load_lora_adapter(self, named_tensors: NamedTensors, version: int) -> None:
+        """`LoRAEngine` (where ``info.lora_adapters``): adapter tensors, sent like `update_weights`."""
+        self._send_tensors("load_lora_adapter", named_tensors, version)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """`WeightsView` (where ``info.exposes_weights``): a copy of the engine's weights by HF name, sent
+        back as checksummed flat buckets."""
+        out: dict[str, torch.Tensor] = {}
+        for header_json, data in self._call("named_weights").result():
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            out.update(unflatten_bucket(flat, BucketHeader.from_json(header_json)))
+        return out
+
+    def _send_tensors(self, method: str, named_tensors: NamedTensors, version: int) -> None:
         flats, headers = [], []
         for bucket in bucketize(named_tensors, _BUCKET_BYTES):
             flat, header = flatten_bucket(bucket)
             flats.append(memoryview(flat.numpy()))
             headers.append(header.to_json())
-        self._call("update_weights", headers, int(version), _frames=flats).result()
+        self._call(method, headers, int(version), _frames=flats).result()
 
     def sleep(self) -> None:
         self._call("sleep").result()
@@ -302,6 +312,52 @@ class RemoteEngine:
         self.close()
 
     # -- calls -----------------------------------------------------------------------------------------
+
+    def _queue_agenerate(self, request: GenerationRequest) -> cf.Future:
+        """The request's reply future; the frame goes out when this loop turn's calls are all queued."""
+        loop = asyncio.get_running_loop()
+        future: cf.Future = cf.Future()
+        with self._batch_lock:
+            batch = self._agenerate_batches.get(loop)
+            if batch is None:
+                batch = self._agenerate_batches[loop] = []
+                loop.call_soon(self._flush_agenerate, loop)
+            batch.append((request, future))
+        return future
+
+    def _flush_agenerate(self, loop: asyncio.AbstractEventLoop) -> None:
+        with self._batch_lock:
+            batch = self._agenerate_batches.pop(loop, [])
+        if not batch:
+            return
+        try:
+            self._call_many("agenerate", [((request,), future) for request, future in batch])
+        except BaseException as e:  # noqa: BLE001 - every queued caller gets the failure
+            for _, future in batch:
+                if not future.done():
+                    future.set_exception(e)
+
+    def _call_many(self, method: str, calls: Sequence[tuple[tuple, cf.Future]]) -> None:
+        """Send several calls of ``method`` in one frame; each reply resolves its own future."""
+        if self._closing:
+            raise EngineProcessError(f"{method}(): the engine process was closed")
+        self.wait_ready()
+        with self._pending_lock:
+            if self._failure is not None:
+                raise EngineProcessError(self._failure)
+            ids = [next(self._ids) for _ in calls]
+            for call_id, (_, future) in zip(ids, calls, strict=True):
+                self._pending[call_id] = (future, method)
+        try:
+            frame = encode(ids[0], OK, (MANY, [(i, method, args) for i, (args, _) in zip(ids, calls, strict=True)], {}))
+            with self._send_lock:
+                self._conn.send_bytes(frame)
+        except (OSError, EOFError) as e:
+            with self._pending_lock:
+                for call_id in ids:
+                    self._pending.pop(call_id, None)
+            self.raise_if_dead()
+            raise EngineProcessError(f"{method}(): the connection to the engine process failed: {e}") from e
 
     def _call(self, method: str, *args: Any, _frames: Sequence[memoryview] = (), _closing: bool = False,
               **kwargs: Any) -> cf.Future:

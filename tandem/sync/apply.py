@@ -6,9 +6,9 @@ it enforces the sync rules that do not depend on the transport:
 * **Versions never go backwards**: an update older than the engine's ``weight_version`` is rejected
   (a re-sent equal version is allowed: resuming a run re-sends its checkpoint's version).
 * **LoRA adapters**: an adapter-only update (peft names, ``...lora_A.weight``) goes to the engine's
-  ``load_lora_adapter(named_tensors, version)`` if it has one; an engine without it rejects the update
-  with a message saying to send merged weights (``sync.lora_mode: merged``). Adapter and full tensors
-  are never mixed in one update.
+  ``load_lora_adapter(named_tensors, version)`` where its ``info.lora_adapters`` says it has one; an
+  engine without it rejects the update with a message saying to send merged weights
+  (``sync.lora_mode: merged``). Adapter and full tensors are never mixed in one update.
 * **Quantize-on-send**: with ``dequantize=QuantConfig``, fp8/int4 tensors and their scales are turned
   back into the engine's dtype with `tandem.kernels.dequantize_state_dict`, the op the trainer's
   fake-quantized forward uses, so the engine holds exactly the trainer's forward weights. Without it a
@@ -16,7 +16,7 @@ it enforces the sync rules that do not depend on the transport:
 
 * **Name / layout mapping**: ``transform(named_tensors) -> named_tensors`` turns HF-named tensors into
   the engine's own (e.g. fusing ``q_proj``/``k_proj``/``v_proj`` into one ``qkv_proj``); it sees the
-  whole staged update at once. An engine may instead define ``map_weights(named_tensors)``.
+  whole staged update at once. Whoever builds the applier passes it.
 
 Then ``engine.update_weights`` validates every name and shape before copying anything, so a rejected
 update leaves the engine on its previous weights and version. With ``verify`` the applier hashes the
@@ -30,10 +30,12 @@ from typing import Any
 
 import torch
 
+from tandem.core.protocols import LoRAEngine
 from tandem.kernels.config import QuantConfig
 from tandem.kernels.state_dict import COMPANION_SUFFIXES, FP8_DTYPE, dequantize_state_dict
+from tandem.models.registry import DTYPES
 from tandem.sync.base import NamedList, SyncError, tensor_hashes
-from tandem.sync.verify import engine_weights, verify_applied
+from tandem.sync.verify import verify_applied
 
 __all__ = ["WeightApplier", "call_apply", "is_adapter_name"]
 
@@ -65,8 +67,8 @@ class WeightApplier:
     """``applier(named_tensors, version, verify=False) -> report | None`` for one engine.
 
     ``dequantize``: the `QuantConfig` of quantize-on-send (the trainer's); ``dtype``: what to
-    dequantize into (default: the dtype of the engine's weights); ``transform``: HF names and layouts
-    -> the engine's (default: the engine's ``map_weights`` if it has one, else none).
+    dequantize into (default: the engine's ``info.dtype``); ``transform``: HF names and layouts -> the
+    engine's (default: none).
     """
 
     def __init__(
@@ -80,8 +82,7 @@ class WeightApplier:
         self.engine = engine
         self.dequantize = dequantize
         self.dtype = dtype
-        mapper = getattr(engine, "map_weights", None)
-        self.transform = transform if transform is not None else (mapper if callable(mapper) else None)
+        self.transform = transform
 
     def __call__(self, named: NamedList, version: int, *, verify: bool = False) -> dict[str, Any] | None:
         engine = self.engine
@@ -116,15 +117,15 @@ class WeightApplier:
                 f"update to version {version} mixes LoRA adapter tensors ({_example(adapters)}) with full "
                 f"weights ({_example(full)}): send one or the other; weights untouched"
             )
-        load = getattr(engine, "load_lora_adapter", None)
-        if not callable(load):
+        if not engine.info.lora_adapters:
             raise SyncError(
                 f"update to version {version} holds LoRA adapter tensors only ({_example(adapters)}), but "
-                f"{type(engine).__name__} cannot load adapters (it has no load_lora_adapter): send merged "
+                f"{engine.info.name} cannot load adapters (its info.lora_adapters is false): send merged "
                 f"weights instead (sync.lora_mode: merged). The engine kept version {engine.weight_version} "
                 "and its weights"
             )
-        load(named, version)
+        lora: LoRAEngine = engine
+        lora.load_lora_adapter(named, version)
 
     def _dequantized(self, named: NamedList, version: int) -> NamedList:
         if self.dequantize is None:
@@ -143,10 +144,7 @@ class WeightApplier:
 
 
 def _engine_dtype(engine: Any) -> torch.dtype:
-    for t in engine_weights(engine).values():
-        if t.is_floating_point():
-            return t.dtype
-    return torch.float32
+    return DTYPES.get(engine.info.dtype, torch.float32)
 
 
 def call_apply(apply: Callable[..., Any], named: NamedList, version: int, *, verify: bool) -> dict[str, Any] | None:

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
 from tandem.kernels.config import QuantConfig
 from tandem.sync.apply import WeightApplier
-from tandem.sync.base import SyncError, sync_metrics, tensor_hashes
+from tandem.sync.base import NamedList, SyncError, sync_metrics, tensor_hashes
 from tandem.sync.verify import check_reports
 
 __all__ = ["InProcessSync"]
@@ -28,12 +28,14 @@ class InProcessSync:
     ``verify``: hash the engine's weights after each sync and compare (`tandem.sync.verify`).
     ``dequantize``: the `QuantConfig` of a quantize-on-send wrapper around this sender
     (`tandem.sync.quantize.QuantizedSender`): the engine receives dequantized weights.
+    ``transform``: HF names and layouts -> the engine's (`WeightApplier`), for an engine that needs one.
     """
 
-    def __init__(self, engine: Any, *, verify: bool = False, dequantize: QuantConfig | None = None) -> None:
+    def __init__(self, engine: Any, *, verify: bool = False, dequantize: QuantConfig | None = None,
+                 transform: Callable[[NamedList], NamedList] | None = None) -> None:
         self.engine = engine
         self.verify = verify
-        self.applier = WeightApplier(engine, dequantize=dequantize)
+        self.applier = WeightApplier(engine, dequantize=dequantize, transform=transform)
 
     def send(self, buckets: Iterable[list[tuple[str, torch.Tensor]]], version: int) -> dict[str, float]:
         t0 = time.perf_counter()

@@ -21,8 +21,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
-from torch import nn
 
+from tandem.core.protocols import WeightsView
 from tandem.sync.base import SyncError, checksum
 
 __all__ = ["VerifyError", "check_reports", "engine_weights", "verify_applied"]
@@ -35,18 +35,14 @@ class VerifyError(SyncError):
 
 
 def engine_weights(engine: Any) -> Mapping[str, torch.Tensor]:
-    """The engine's live weights by HF name: ``engine.named_weights()`` if it has one, else the
-    state dict of ``engine.model`` (the embedded `TorchEngine`)."""
-    named = getattr(engine, "named_weights", None)
-    if callable(named):
-        return dict(named())
-    model = getattr(engine, "model", None)
-    if isinstance(model, nn.Module):
-        return model.state_dict()
-    raise SyncError(
-        f"verify: {type(engine).__name__} does not expose its weights (give it named_weights() or a "
-        ".model nn.Module), so a sync to it cannot be verified; set sync.verify: false"
-    )
+    """The engine's live weights by HF name (``named_weights()``, where ``info.exposes_weights``)."""
+    if not engine.info.exposes_weights:
+        raise SyncError(
+            f"verify: {engine.info.name} does not expose its weights (info.exposes_weights is false), so a "
+            "sync to it cannot be verified; set sync.verify: false"
+        )
+    view: WeightsView = engine
+    return dict(view.named_weights())
 
 
 def verify_applied(

@@ -19,7 +19,17 @@ from typing import Any
 import pytest
 import torch
 
-from tandem.core.protocols import FinishReason, GenerationRequest, InferenceEngine, SamplingParams
+from tandem.core.protocols import (
+    CapabilityError,
+    EngineInfo,
+    FinishReason,
+    GenerationRequest,
+    InferenceEngine,
+    LoRAEngine,
+    SamplingParams,
+    ScoringEngine,
+    WeightsView,
+)
 from tests.engines.torch_helpers import prompts, requests, teacher_forced, wait_until
 
 
@@ -81,6 +91,31 @@ class InferenceEngineContract:
         assert isinstance(engine, InferenceEngine)
         health = engine.health()
         assert health["status"] == "ok" and health["weight_version"] == engine.weight_version
+
+    def test_info_describes_the_engine_and_its_flags_hold(self, case):
+        """`EngineInfo` is constant and true: each capability flag comes with its working methods."""
+        engine, info = case.engine, case.engine.info
+        assert isinstance(info, EngineInfo) and engine.info == info
+        assert info.max_context == case.max_model_len and info.vocab_size == case.vocab_size
+        assert info.dtype in ("float32", "bfloat16", "float16") and info.name
+        assert isinstance(engine, ScoringEngine) if info.can_score else True
+        assert isinstance(engine, LoRAEngine) if info.lora_adapters else True
+        if info.can_score:  # the prefill log-probs of a generated response are the decode ones (tolerance)
+            p = prompts([9], seed=31, vocab=case.vocab_size)[0]
+            [r] = engine.generate(requests([p], temperature=1.0, max_new_tokens=12, seed=3))
+            [scored] = engine.score([(p + r.completions[0].token_ids, len(p))], temperature=1.0)
+            torch.testing.assert_close(torch.tensor(scored), torch.tensor(r.completions[0].log_probs), rtol=0,
+                                       atol=max(case.logprob_atol, 1e-4))
+        if info.exposes_weights:  # named_weights are the live weights by HF name
+            assert isinstance(engine, WeightsView)
+            weights, checkpoint = engine.named_weights(), case.checkpoint()
+            assert set(checkpoint) <= set(weights)
+            name = next(iter(checkpoint))
+            torch.testing.assert_close(weights[name].float(), checkpoint[name].float())
+        if not info.routed_experts:  # a request for routed experts fails alone, with the reason
+            [res] = engine.generate([GenerationRequest(prompt_token_ids=[5, 6], sampling=SamplingParams(
+                max_new_tokens=2, return_routed_experts=True))])
+            assert res.completions[0].finish_reason == FinishReason.ERROR and "routed experts" in res.error
 
     @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
     def test_logprobs_match_a_teacher_forced_forward(self, case, temperature):
@@ -294,8 +329,8 @@ class InferenceEngineContract:
         ps = prompts([12, 7], seed=21, vocab=case.vocab_size)
         sampling = dict(temperature=1.0, max_new_tokens=20, seed=8)
         before = engine.generate(requests(ps, **sampling))
-        if not getattr(engine, "supports_sleep", True):
-            with pytest.raises(RuntimeError, match="not supported on this device"):
+        if not engine.info.can_sleep:
+            with pytest.raises(CapabilityError, match="not supported on this device"):
                 engine.sleep()
         else:
             engine.sleep()

@@ -135,7 +135,7 @@ def test_grpo_loop_with_the_quantized_pair_keeps_the_exact_contract(tmp_path, se
     extra = [f"sync.quantize={QUANT}"] if send == "quantize_on_send" else []
     run = Run(_exact_run_config(f"inference.torch.quantization={QUANT}", *extra), tmp_path)
     assert run.contract.relation == "exact" and run.old_source == "rollout"
-    run.train()
+    run.train(close=False)
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1]
     for r in rows:
@@ -144,9 +144,10 @@ def test_grpo_loop_with_the_quantized_pair_keeps_the_exact_contract(tmp_path, se
         if send == "quantize_on_send":
             assert r["sync/bytes"] < 0.7 * r["sync/bytes_unquantized"]  # embeddings and head stay fp32
     masters, held = master_weights(run.trainer), run.engine.model.state_dict()
-    cfg = run.cfg.trainer.fsdp.qat
+    cfg = run.trainer.config.qat
     for name in _targets(run.trainer):
         assert torch.equal(held[name], fake_quantize_weight(masters[name], cfg)), name
+    run.close()
 
 
 def test_an_exact_run_with_only_the_trainer_quantized_fails_loudly(tmp_path):

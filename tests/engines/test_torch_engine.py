@@ -223,7 +223,7 @@ def test_dense_model_refuses_routed_experts():
     with make_engine() as engine:
         [res] = engine.generate(requests(prompts([5]), return_routed_experts=True, max_new_tokens=3))
     assert res.completions[0].finish_reason == FinishReason.ERROR
-    assert "has no MoE layers" in res.error
+    assert "returns no routed experts (a dense model" in res.error
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -11,6 +11,7 @@ from tandem.models import load_tokenizer
 from tandem.rollout.agent import AgentConfig, agent_metrics, agent_reward, agentic_tool_call, multi_turn
 from tandem.rollout.data import PromptRecord
 from tandem.rollout.examples.calculator_agent import SYSTEM_PROMPT
+from tandem.rollout.functions import generate_groups
 from tandem.rollout.generate import SamplingConfig
 from tandem.runtime.config import RolloutConfig
 from tests.rollout.agentic_helpers import MODEL, QUESTION, make_engine
@@ -40,8 +41,8 @@ def _records(k: int = 1) -> list[PromptRecord]:
 
 def _run(fn, engine, tok, *, n=1, sampling=GREEDY, records=None, **agent):
     cfg = RolloutConfig(agent=AgentConfig(**agent))
-    return fn(engine, records or _records(), n=n, sampling=sampling, tokenizer=tok, seed=0, step=0, first_group=5,
-              config=cfg)
+    return generate_groups(fn.__name__, engine, records or _records(), n=n, sampling=sampling, tokenizer=tok, seed=0,
+                           step=0, first_group=5, config=cfg)
 
 
 def _check_sample(s) -> None:
@@ -168,4 +169,5 @@ def test_bad_agent_settings_are_rejected():
     with pytest.raises(ValueError, match="not a file"):
         AgentConfig(chat_template="/nonexistent.jinja")
     with pytest.raises(ValueError, match="agent.function is not set"):
-        agentic_tool_call(None, _records(), tokenizer=object(), config=RolloutConfig())
+        generate_groups("agentic_tool_call", None, _records(), n=1, sampling=GREEDY, tokenizer=object(),
+                        config=RolloutConfig())

@@ -74,8 +74,9 @@ def test_grpo_trains_the_calculator_agent(tmp_path, taught_model_dir, variant):
     cfg = load_config(RunConfig, RECIPE, overrides)
     run = Run(cfg, tmp_path)
     before = {n: t.clone() for b in run.trainer.named_parameters_for_sync(1 << 30) for n, t in b}
-    run.train()
+    run.train(close=False)
     after = {n: t.clone() for b in run.trainer.named_parameters_for_sync(1 << 30) for n, t in b}
+    run.close()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1]
     assert any(r["train/grad_norm"] > 0 for r in rows) and any(not torch.equal(before[k], after[k]) for k in before)

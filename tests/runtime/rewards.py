@@ -21,6 +21,11 @@ def flaky(sample: Sample) -> float:
     return even_tokens(sample)
 
 
+def constant(sample: Sample) -> float:
+    """The same reward for every sample: no group has a learning signal."""
+    return 0.5
+
+
 def sometimes_hangs(sample: Sample) -> float:
     if sample.response_tokens and sample.response_tokens[0] % 13 == 0:
         time.sleep(5)

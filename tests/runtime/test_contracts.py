@@ -49,9 +49,12 @@ def test_registry_resolution_and_startup_errors():
     # missing settings: auto degrades to bounded, exact is a start-up error naming what is missing
     loose = _settings(engine_deterministic=False)
     assert resolve_contract(loose, ContractConfig()).relation == "bounded"
-    with pytest.raises(ContractError, match="needs: inference.torch.deterministic: true"):
+    with pytest.raises(ContractError, match=r"needs: a deterministic \(batch-invariant\) inference engine"):
         resolve_contract(loose, ContractConfig(expect="exact"))
-    with pytest.raises(ContractError, match="routing_replay: true"):
+    hinted = _settings(engine_deterministic=False, hints=(("engine_deterministic", "inference.torch.deterministic: true"),))
+    with pytest.raises(ContractError, match="needs: inference.torch.deterministic: true"):  # the entry's hint
+        resolve_contract(hinted, ContractConfig(expect="exact"))
+    with pytest.raises(ContractError, match=r"routing replay \(R3\) in the trainer"):
         resolve_contract(_settings(moe=True), ContractConfig(expect="exact"))
     assert resolve_contract(_settings(moe=True, routing_replay=True), ContractConfig(expect="exact")).relation == "exact"
     with pytest.raises(ContractError, match="no LoRA"):

@@ -35,8 +35,9 @@ def test_modes_run_train_and_sync(tmp_path, mode):
     extra = [] if mode == "sync" else ["algorithm.off_policy.mode=tis", "runtime.max_staleness=1"]
     run = Run(_cfg(f"runtime.mode={mode}", *extra), tmp_path)
     before = _weights(run)
-    run.train()
+    run.train(close=False)
     after = _weights(run)
+    run.close()
     assert any(not torch.equal(before[k], after[k]) for k in before), "no weight changed"
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -62,17 +63,19 @@ def test_async_modes_require_an_off_policy_correction():
 
 def test_resume_repeats_the_uninterrupted_run_bit_for_bit(tmp_path):
     full = Run(_cfg("run.steps=4", "run.save_every=2"), tmp_path / "full")
-    full.train()
+    full.train(close=False)
     a = tmp_path / "part"
     Run(_cfg("run.steps=2", "run.save_every=2"), a).train()
     resumed = Run(_cfg("run.steps=4", "run.save_every=2"), a, resume=True)
     assert resumed.step == 2 and resumed.version == 2
-    resumed.train()
+    resumed.train(close=False)
     drop = ("time", "time/", "rollout/tokens_per_s", "train/tokens_per_s", "train/step_time_s", "sync/seconds",
             "sync/gbps")
     strip = lambda r: {k: v for k, v in r.items() if not k.startswith(drop)}  # noqa: E731
     assert [strip(r) for r in read_metrics(a)] == [strip(r) for r in read_metrics(tmp_path / "full")]
     wf, wr = _weights(full), _weights(resumed)
+    full.close()
+    resumed.close()
     assert all(torch.equal(wf[k], wr[k]) for k in wf)
 
 
@@ -155,10 +158,11 @@ def test_megatron_trainer_in_the_loop(tmp_path):
     run = Run(_cfg("trainer.engine=megatron", "run.steps=2"), tmp_path)
     assert run.contract.relation == "bounded"
     before = _weights(run)
-    run.train()
+    run.train(close=False)
     rows = read_metrics(tmp_path)
     assert len(rows) == 2 and all(r["train_rollout_logprob_abs_diff/mean"] < 1e-4 for r in rows)
     after = _weights(run)
+    run.close()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     eng = _engine_weights(run)
     assert all(torch.equal(eng[k], after[k]) for k in after)

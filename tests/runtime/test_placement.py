@@ -27,11 +27,12 @@ import torch
 from tandem.config import ConfigError, load_config
 from tandem.core.protocols import FinishReason, InferenceEngine
 from tandem.engines.inference.torch.config import TorchEngineConfig
+from tandem.engines.registry import EngineSpec
 from tandem.models import ModelConfig, resolve_model
 from tandem.runtime.config import RunConfig
 from tandem.runtime.engine_wire import decode, encode
 from tandem.runtime.loop import Run
-from tandem.runtime.remote_engine import EngineProcessError, EngineSpec, RemoteEngine
+from tandem.runtime.remote_engine import EngineProcessError, RemoteEngine
 from tandem.runtime.tracking import read_metrics
 from tandem.sync import build_sender
 from tandem.sync.base import SyncConfig, tensor_hashes
@@ -94,8 +95,9 @@ def test_modes_train_and_the_engine_process_ends_on_the_trainer_weights(tmp_path
     extra = [] if mode == "sync" else ["algorithm.off_policy.mode=tis", "runtime.max_staleness=1"]
     run = _ProbedRun(_cfg(f"runtime.mode={mode}", *extra), tmp_path / "separate")
     before = _trainer_hashes(run)
-    run.train()
+    run.train(close=False)
     after = _trainer_hashes(run)
+    run.close()
     assert any(before[k] != after[k] for k in before), "no weight changed"
     rows = read_metrics(tmp_path / "separate")
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -140,12 +142,13 @@ def test_resume_with_a_separate_engine_repeats_the_uninterrupted_run(tmp_path):
 def test_disk_transport_reaches_the_engine_before_the_next_rollout(tmp_path):
     run = _ProbedRun(_cfg("sync.transport=disk", f"sync.directory={tmp_path / 'weights'}", "sync.poll_interval_s=0.2",
                           "run.steps=2", "rollout.dump=true"), tmp_path / "run")
-    run.train()
+    run.train(close=False)
+    after = _trainer_hashes(run)
+    run.close()
     assert [r["sync/version"] for r in read_metrics(tmp_path / "run")] == [1.0, 2.0]
     # disk applies in the engine's own time: the loop waited, so step 1 generated with version 1
     dumped = [json.loads(line) for line in (tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert dumped and all(row["weight_versions"] == [1] for row in dumped)
-    after = _trainer_hashes(run)
     assert {k: run.final["digest"][k] for k in after} == after
 
 
@@ -236,7 +239,7 @@ def test_remote_engine_forwards_the_protocol(case):
     process = engine.health()["process"]
     assert isinstance(engine, InferenceEngine) and process["pid"] == engine.pid != os.getpid()
     assert process["torch_threads"] == torch.get_num_threads()  # the trainer's (see also one_thread)
-    assert engine.model.args.vocab_size == 512  # the architecture, for the run's contract
+    assert engine.info.vocab_size == 512 and engine.info.name == "torch"  # the engine's own EngineInfo
     ps = prompts([5, 12, 20, 8], seed=9)
 
     async def together():

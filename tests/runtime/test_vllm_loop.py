@@ -93,12 +93,13 @@ def test_separate_placement_runs_vllm_in_its_own_process(tmp_path):
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("rollout.recompute_log_probs=true", "it has no prefill score"),
+    ("rollout.recompute_log_probs=true", "the adapter has no prefill score"),
     ("sync.delta=true", "vLLM reloads whole layers"),
+    ("sync.verify=true", "vLLM repacks its weights"),
 ])
 def test_settings_vllm_cannot_honour_are_refused_at_build(setting, message):
-    with pytest.raises(ConfigError, match=f"{setting.split('=')[0]}: true does not work with inference.engine: vllm"
-                       f".*{message}"):
+    with pytest.raises(ConfigError, match=f"{setting.split('=')[0]}: true needs .* which inference.engine: vllm "
+                       rf"cannot give \({message}.*\); engines that have it: torch"):
         inference_engine_spec(_cfg("float32", setting))
 
 
@@ -111,3 +112,9 @@ def test_the_engine_section_gets_the_runs_seed_and_context():
     # adapter-only sync: vLLM serves the trainer's adapter with the trainer's scaling and rank
     lora = inference_engine_spec(_cfg("float32", "trainer.fsdp.lora={rank: 32, alpha: 64.0}", "sync.lora_mode=adapter"))
     assert lora.config.lora_alpha == 64.0 and lora.config.lora_max_rank == 32
+
+
+def test_routing_replay_is_refused_before_anything_is_built():
+    with pytest.raises(ConfigError, match=r"routing replay in the trainer \(R3\) needs the routed experts .* which "
+                                          r"inference.engine: vllm cannot give \(vLLM returns no routed experts\)"):
+        inference_engine_spec(_cfg("float32", "trainer.fsdp.routing_replay=true"))

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tandem.config import from_dict
+from tandem.core.protocols import EngineInfo
 from tandem.engines.training.fsdp import FSDPConfig, FSDPEngine, LoRAConfig, OptimizerConfig
 from tandem.kernels import QuantConfig, fake_quantize_weight
 from tandem.kernels.state_dict import is_target
@@ -100,6 +101,8 @@ def test_versions_never_go_backwards_and_rejections_leave_the_engine_untouched()
 class AdapterSink:
     """An engine that loads LoRA adapters (as vLLM/SGLang do): keeps the adapter tensors it gets."""
 
+    info = EngineInfo(name="adapter-sink", dtype="float32", max_context=64, lora_adapters=True)
+
     def __init__(self) -> None:
         self.weight_version, self.adapter = 0, {}
 
@@ -118,7 +121,8 @@ def test_lora_adapter_only_sync_goes_to_adapter_engines_and_is_refused_clearly_e
     engine = build_engine()
     held = engine_digest(engine)
     with pytest.raises(SyncError, match=r"LoRA adapter tensors only \(8 tensor\(s\), e.g. 'base_model.model."
-                                        r".*TorchEngine cannot load adapters.*sync.lora_mode: merged.*kept version 0"):
+                                        r".*torch cannot load adapters \(its info.lora_adapters is false\).*sync.lora_mode: merged.*kept "
+                                        r"version 0"):
         InProcessSync(engine).send(trainer.named_parameters_for_sync(BUCKET), 1)
     assert engine.weight_version == 0 and engine_digest(engine) == held
     sink = AdapterSink()
@@ -234,8 +238,10 @@ def test_engine_receiver_thread_applies_disk_versions_while_the_engine_serves(tm
 
 
 class FusedQKVEngine:
-    """An engine that stores q/k/v as one fused ``qkv_proj`` per layer (as vLLM does) and maps HF names
-    with ``map_weights``."""
+    """An engine that stores q/k/v as one fused ``qkv_proj`` per layer (as vLLM does); its sync maps HF
+    names with ``map_weights`` (the applier's ``transform``)."""
+
+    info = EngineInfo(name="fused-qkv", dtype="float32", max_context=64, exposes_weights=True)
 
     def __init__(self, base: dict[str, torch.Tensor]) -> None:
         self.weights = {n: t.clone() for n, t in self.map_weights(list(base.items()))}
@@ -259,7 +265,7 @@ class FusedQKVEngine:
         return out
 
     def named_weights(self):
-        return self.weights.items()
+        return dict(self.weights)
 
     def update_weights(self, named, version) -> None:
         for n, t in named:
@@ -270,15 +276,15 @@ class FusedQKVEngine:
         self.weight_version = version
 
 
-def test_engine_name_mapping_hook_fuses_qkv_and_is_verified():
+def test_engine_name_mapping_transform_fuses_qkv_and_is_verified():
     base, new = perturbed_weights(1, MODEL), perturbed_weights(2, MODEL)
     engine = FusedQKVEngine(base)
     assert "model.layers.0.self_attn.qkv_proj.weight" in engine.weights
-    InProcessSync(engine, verify=True).send(weight_buckets(new), 1)
+    InProcessSync(engine, verify=True, transform=engine.map_weights).send(weight_buckets(new), 1)
     fused = engine.weights["model.layers.1.self_attn.qkv_proj.weight"]
     p = "model.layers.1.self_attn."
     assert torch.equal(fused, torch.cat([new[p + "q_proj.weight"], new[p + "k_proj.weight"], new[p + "v_proj.weight"]]))
     held = dict(engine.weights)
     with pytest.raises(SyncError, match="mapping the update to version 2 failed: ValueError: .*k_proj.weight without its q_proj"):
-        InProcessSync(engine).send([[(p + "k_proj.weight", new[p + "k_proj.weight"])]], 2)
+        InProcessSync(engine, transform=engine.map_weights).send([[(p + "k_proj.weight", new[p + "k_proj.weight"])]], 2)
     assert engine.weight_version == 1 and all(torch.equal(held[n], t) for n, t in engine.weights.items())

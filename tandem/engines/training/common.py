@@ -14,17 +14,26 @@ layouts:
 Either way ``select [M]`` indexes the flattened hidden states ``[N or b*L, H]`` at the ``M`` predicting
 positions, ``targets [M]`` are the predicted token ids, and `MicroBatch.to_response` scatters ``[M]``
 values into response space ``[b, R]`` (zeros on padding).
+
+The rest is the skeleton of a training step that every engine shares: the global loss normalisers
+(`global_loss_scale`), the cross-rank skip decision (`step_skipped`) and the step's metrics
+(`step_metrics`), so that the engines cannot drift apart in what they report.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import math
 import os
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from tandem.core.batch import TrainBatch, partition_by_token_budget
+from tandem.core.losses import reduce_micro_batch_metrics
 from tandem.core.protocols import LossScale
 from tandem.sync.base import bucketize
 
@@ -34,10 +43,14 @@ __all__ = [
     "pick_device",
     "check_batch",
     "dummy_micro_batch",
+    "global_loss_scale",
     "local_loss_scale",
     "make_micro_batch",
     "plan_micro_batches",
     "split_for_data_parallel",
+    "step_metrics",
+    "step_skipped",
+    "tandem_version",
 ]
 
 
@@ -198,6 +211,79 @@ def loss_scale_from(totals: torch.Tensor) -> LossScale:
     return LossScale(
         num_tokens=float(totals[0]), num_sequences=float(totals[1]), max_response_length=int(totals[2])
     )
+
+
+def global_loss_scale(
+    batch: TrainBatch, all_reduce: Callable[[torch.Tensor, str], torch.Tensor]
+) -> LossScale:
+    """The `LossScale` of the global batch from this rank's ``batch`` (collective).
+
+    ``all_reduce(t, op)`` reduces ``t`` over the data-parallel ranks with ``op`` ``"sum"`` or ``"max"``:
+    loss tokens and sequences are summed, the response width is maxed.
+    """
+    local = local_loss_scale(batch)
+    sums = all_reduce(local[:2], "sum")
+    width = all_reduce(local[2:], "max")
+    return loss_scale_from(torch.cat([sums, width]))
+
+
+def step_skipped(global_loss: float, grad_norm: float) -> bool:
+    """Whether the optimizer step is skipped: the global loss or the gradient norm is NaN/Inf.
+
+    Both inputs are global (the same on every rank), so every rank takes the same decision.
+    """
+    return not (math.isfinite(global_loss) and math.isfinite(grad_norm))
+
+
+def step_metrics(
+    prefix: str,
+    *,
+    loss: float,
+    grad_norm: float,
+    lr: float,
+    skipped: bool,
+    tokens: int,
+    started: float,
+    rank_metrics: Iterable[dict[str, float]],
+    device: torch.device,
+    extra: Mapping[str, float] | None = None,
+) -> dict[str, float]:
+    """The metrics of one train step, the same keys for every engine.
+
+    ``{prefix}/loss`` (the global loss), ``grad_norm``, ``lr`` (the LR the step used), ``skipped_step``,
+    ``tokens`` (fed over all ranks), ``tokens_per_s`` and ``step_time_s`` (since ``started``, a
+    ``time.perf_counter()`` value); then each rank's loss metrics reduced by the
+    `reduce_micro_batch_metrics` convention, ``extra``, and ``perf/max_memory_allocated_gb`` on CUDA.
+    """
+    elapsed = time.perf_counter() - started
+    out = {
+        f"{prefix}/loss": loss,
+        f"{prefix}/grad_norm": grad_norm,
+        f"{prefix}/lr": lr,
+        f"{prefix}/skipped_step": float(skipped),
+        f"{prefix}/tokens": float(tokens),
+        f"{prefix}/tokens_per_s": tokens / max(elapsed, 1e-9),
+        f"{prefix}/step_time_s": elapsed,
+        **reduce_micro_batch_metrics(rank_metrics),
+        **(extra or {}),
+    }
+    if device.type == "cuda":
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    return out
+
+
+def tandem_version() -> str:
+    """Tandem's version (the `EngineInfo.version` of its own engines); ``""`` when it cannot be told."""
+    try:
+        from tandem import __version__
+
+        return str(__version__)
+    except ImportError:
+        pass
+    try:
+        return importlib.metadata.version("tandem-rl")
+    except importlib.metadata.PackageNotFoundError:
+        return ""
 
 
 def split_for_data_parallel(batch: TrainBatch, num_ranks: int) -> list[list[int]]:

@@ -37,7 +37,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import tandem
 from tandem.core.protocols import (
+    EngineAsleepError,
+    EngineClosedError,
+    EngineInfo,
     FinishReason,
     GenerationRequest,
     GenerationResult,
@@ -70,10 +74,6 @@ def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
         np.copyto(target.numpy(), src.numpy())
     else:
         target.copy_(src)
-
-
-class EngineAsleepError(RuntimeError):
-    """generate() on a sleeping engine, or sleep() with requests in flight."""
 
 
 class TorchEngine:
@@ -135,8 +135,24 @@ class TorchEngine:
         self._step_lock = threading.RLock()  # held while a step runs; weight updates and sleep take it
         self._priority_waiters = 0  # callers of update_weights/sleep/... waiting: drivers let them in first
         self._drivers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # event loop -> driver task
+        self._info = EngineInfo(
+            name="torch", version=tandem.__version__, dtype=str(self.model.dtype).removeprefix("torch."),
+            deterministic=config.deterministic, moe_layers=tuple(args.moe_layers), max_context=config.max_model_len,
+            vocab_size=args.vocab_size, can_sleep=True, can_score=True, routed_experts=bool(args.moe_layers),
+            exposes_weights=True, partial_updates=True,
+        )
 
     # -- the InferenceEngine protocol -------------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        """Sleeps, scores, returns routed experts for MoE models, takes partial updates, exposes its weights;
+        LoRA adapters arrive merged (``sync.lora_mode: merged``)."""
+        return self._info
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The live weights by HF name (`WeightsView`; tied weights appear under both names)."""
+        return dict(self.model.state_dict())
 
     @property
     def weight_version(self) -> int:
@@ -372,7 +388,7 @@ class TorchEngine:
         if self._sleeping:
             raise EngineAsleepError("the engine is asleep: call wake_up() before generating")
         if self._closed:
-            raise RuntimeError("the engine is closed")
+            raise EngineClosedError("the engine is closed")
         checked = self._check(request)
         if isinstance(checked, str):
             future.set_result(error_result(request, checked))
@@ -409,31 +425,10 @@ class TorchEngine:
     def _check(self, request: GenerationRequest) -> tuple[list[int], SamplingParams] | str:
         """The validated prompt and sampling parameters, or the error message for this request."""
         try:
-            sampling = SamplingParams.coerce(request.sampling)
+            return request.check(vocab_size=self.model.args.vocab_size, max_model_len=self.config.max_model_len,
+                                 routed_experts=self._info.routed_experts)
         except ValueError as e:
             return str(e)
-        vocab = self.model.args.vocab_size
-        bad_stop = [
-            t for t in sampling.stop_token_ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab
-        ]
-        if bad_stop:
-            return f"stop token id {bad_stop[0]!r} is outside the vocabulary [0, {vocab})"
-        if sampling.return_routed_experts and not self.model.args.moe_layers:
-            return "return_routed_experts=True but the model has no MoE layers"
-        ids = request.prompt_token_ids
-        if isinstance(ids, torch.Tensor | np.ndarray):
-            ids = ids.tolist()
-        if not isinstance(ids, list | tuple) or not all(isinstance(t, int | np.integer) for t in ids):
-            return "prompt_token_ids must be a list of ints"
-        if not ids:
-            return "prompt_token_ids is empty: a prompt needs at least one token"
-        limit = self.config.max_model_len
-        if len(ids) >= limit:
-            return f"prompt has {len(ids)} tokens; max_model_len={limit} allows at most {limit - 1}"
-        for pos, t in enumerate(ids):
-            if not 0 <= t < vocab:
-                return f"token id {int(t)} at position {pos} is outside the vocabulary [0, {vocab})"
-        return [int(t) for t in ids], sampling
 
     # -- driving -------------------------------------------------------------------------------------------
 

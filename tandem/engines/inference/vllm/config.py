@@ -54,12 +54,6 @@ class VLLMEngineConfig:
     staging_dir: str | None = None  # async backend: where weight updates are written (None: /dev/shm or tmp)
     engine_kwargs: dict[str, Any] = field(default_factory=dict)  # passed to vLLM as they are
 
-    @property
-    def deterministic(self) -> bool:
-        """Always False: vLLM's kernels are not Tandem's batch-invariant ones, so a run's contract with a
-        vLLM rollout is bounded, never exact (read by the contract registry, like the torch engine's)."""
-        return False
-
     def __post_init__(self) -> None:
         if self.backend not in ("inprocess", "async"):
             raise ValueError(f"backend={self.backend!r} must be 'inprocess' or 'async'")

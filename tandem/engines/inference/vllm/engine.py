@@ -30,11 +30,18 @@ import shutil
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
-from tandem.core.protocols import FinishReason, GenerationRequest, GenerationResult, NamedTensors
-from tandem.engines.inference.torch.engine import EngineAsleepError
+from tandem.core.protocols import (
+    CapabilityError,
+    EngineAsleepError,
+    EngineClosedError,
+    EngineInfo,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    NamedTensors,
+)
 from tandem.engines.inference.vllm.config import VLLMEngineConfig
 from tandem.engines.inference.vllm.requests import (
     RequestState,
@@ -59,8 +66,8 @@ log = logging.getLogger(__name__)
 INSTALL_HINT = "pip install 'tandem-rl[vllm]' (CPU: scripts/install_vllm.sh builds a separate venv)"
 
 
-class SleepNotSupportedError(RuntimeError):
-    """vLLM has no sleep mode on this device (it needs CUDA, ROCm or XPU)."""
+class SleepNotSupportedError(CapabilityError):
+    """vLLM has no sleep mode on this device (it needs CUDA, ROCm or XPU): ``info.can_sleep`` is False."""
 
 
 def vllm_available() -> str | None:
@@ -91,8 +98,7 @@ class VLLMEngine:
                 f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings={limit}"
             )
         self.tied = bool(hf.get("tie_word_embeddings"))
-        # for the run's contract (a MoE model's rollout cannot be replayed: no routed experts from vLLM)
-        self.is_moe = any(int(hf.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts"))
+        self.moe_layers = _moe_layers(self.model_path, hf)  # for the run's contract (vLLM returns no routes)
         self.index = CheckpointIndex(self.model_path, tied_embeddings=self.tied)
         self.dtype = config.model.torch_dtype
         self._staged: list[Path] = []  # folders to remove at close (untied view, LoRA adapters)
@@ -122,6 +128,13 @@ class VLLMEngine:
         self._sleeping = False
         self._closed = False
         self._stats = {"generated_tokens": 0, "requests": 0, "weight_updates": 0, "reload_seconds": 0.0}
+        import vllm
+
+        self._info = EngineInfo(
+            name="vllm", version=str(getattr(vllm, "__version__", "")), dtype=config.model.dtype,
+            moe_layers=self.moe_layers, max_context=config.max_model_len, vocab_size=self.vocab_size,
+            can_sleep=self._sleep_mode, lora_adapters=config.lora_alpha is not None,
+        )
 
     def _engine_kwargs(self) -> dict[str, Any]:
         cfg = self.config
@@ -152,23 +165,10 @@ class VLLMEngine:
         return self._version
 
     @property
-    def supports_sleep(self) -> bool:
-        return self._sleep_mode
-
-    @property
-    def model(self) -> Any:
-        """The architecture only (``.args``, a `TransformerArgs`), for the run's contract and an engine
-        process's info; the weights live inside vLLM. AttributeError for an architecture Tandem has no
-        native description of (vLLM may still serve it)."""
-        from transformers import AutoConfig
-
-        from tandem.models.transformer import TransformerArgs, UnsupportedModelError
-
-        try:
-            args = TransformerArgs.from_hf_config(AutoConfig.from_pretrained(str(self.model_path)))
-        except UnsupportedModelError as e:
-            raise AttributeError(f"VLLMEngine.model: {e}") from e
-        return SimpleNamespace(args=args)
+    def info(self) -> EngineInfo:
+        """Not deterministic (vLLM's kernels: a bounded contract), no score(), no routed experts, whole-model
+        updates only; sleeps where vLLM has a sleep mode; LoRA adapters with ``lora_alpha`` set."""
+        return self._info
 
     def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerationResult]:
         """Blocking generation; results in request order. A bad request fails alone (finish reason ERROR)."""
@@ -284,10 +284,10 @@ class VLLMEngine:
 
     def sleep(self) -> None:
         """Free the KV cache (and, at ``sleep_level`` 1, offload the weights) for a colocated trainer."""
-        if not self.supports_sleep:
+        if not self._info.can_sleep:
             raise SleepNotSupportedError(
                 f"vLLM sleep mode is not supported on this device ({self.device}): it needs CUDA, ROCm or XPU. "
-                "The engine keeps its memory and keeps serving; a colocated loop should skip sleep/wake_up"
+                "The engine keeps its memory and keeps serving (info.can_sleep is false: the loop skips sleep)"
             )
         if self.backend.in_flight():
             raise EngineAsleepError(
@@ -297,7 +297,7 @@ class VLLMEngine:
         self._sleeping = True
 
     def wake_up(self) -> None:
-        if not self.supports_sleep:
+        if not self._info.can_sleep:
             raise SleepNotSupportedError(f"vLLM sleep mode is not supported on this device ({self.device})")
         if self._sleeping:
             self.backend.wake_up()
@@ -347,7 +347,7 @@ class VLLMEngine:
         if self._sleeping:
             raise EngineAsleepError(f"the engine is asleep: call wake_up() before you {what}")
         if self._closed:
-            raise RuntimeError("the engine is closed")
+            raise EngineClosedError("the engine is closed")
 
     def _submit(self, request: GenerationRequest):
         if not isinstance(request, GenerationRequest):
@@ -394,6 +394,22 @@ class VLLMEngine:
     def _forget(self, request_id: str) -> None:
         with self._lock:
             self._inflight.pop(request_id, None)
+
+
+def _moe_layers(model_path: Path, hf: dict[str, Any]) -> tuple[int, ...]:
+    """The decoder layers with routed experts: from Tandem's description of the architecture where it has
+    one, else every layer of a config that declares experts (vLLM may serve architectures Tandem does not
+    implement)."""
+    if not any(int(hf.get(k) or 0) > 0 for k in ("num_experts", "num_local_experts", "n_routed_experts")):
+        return ()
+    from transformers import AutoConfig
+
+    from tandem.models.transformer import TransformerArgs, UnsupportedModelError
+
+    try:
+        return tuple(TransformerArgs.from_hf_config(AutoConfig.from_pretrained(str(model_path))).moe_layers)
+    except UnsupportedModelError:
+        return tuple(range(int(hf.get("num_hidden_layers") or 0)))
 
 
 def _done(result: GenerationResult):

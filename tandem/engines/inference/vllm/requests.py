@@ -13,9 +13,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-import torch
-
 from tandem.core.protocols import (
     Completion,
     FinishReason,
@@ -41,9 +38,10 @@ def derive_seed(base: int, index: int) -> int:
 def check_request(
     request: GenerationRequest, *, vocab_size: int, max_model_len: int, filtered_logprobs: str
 ) -> tuple[list[int], SamplingParams] | str:
-    """The validated prompt and sampling parameters, or the error message for this request."""
+    """The validated prompt and sampling parameters, or the error message for this request: the shared
+    check (`GenerationRequest.check`; no routed experts from vLLM) plus vLLM's log-prob convention."""
     try:
-        sampling = SamplingParams.coerce(request.sampling)
+        prompt, sampling = request.check(vocab_size=vocab_size, max_model_len=max_model_len, routed_experts=False)
     except ValueError as e:
         return str(e)
     if filtered_logprobs == "reject" and sampling.temperature > 0 and (sampling.top_k > 0 or sampling.top_p < 1):
@@ -52,24 +50,7 @@ def check_request(
             "the kept tokens, Tandem's convention is the full vocabulary; use top_k=0 and top_p=1, or set "
             "VLLMEngineConfig.filtered_logprobs='renormalized' to accept vLLM's values"
         )
-    bad_stop = [t for t in sampling.stop_token_ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab_size]
-    if bad_stop:
-        return f"stop token id {bad_stop[0]!r} is outside the vocabulary [0, {vocab_size})"
-    if sampling.return_routed_experts:
-        return "return_routed_experts=True: the vLLM adapter does not return routed experts (use the torch engine)"
-    ids = request.prompt_token_ids
-    if isinstance(ids, torch.Tensor | np.ndarray):
-        ids = ids.tolist()
-    if not isinstance(ids, list | tuple) or not all(isinstance(t, int | np.integer) for t in ids):
-        return "prompt_token_ids must be a list of ints"
-    if not ids:
-        return "prompt_token_ids is empty: a prompt needs at least one token"
-    if len(ids) >= max_model_len:
-        return f"prompt has {len(ids)} tokens; max_model_len={max_model_len} allows at most {max_model_len - 1}"
-    for pos, t in enumerate(ids):
-        if not 0 <= t < vocab_size:
-            return f"token id {int(t)} at position {pos} is outside the vocabulary [0, {vocab_size})"
-    return [int(t) for t in ids], sampling
+    return prompt, sampling
 
 
 def vllm_sampling(params: SamplingParams, seed: int) -> Any:

@@ -32,11 +32,11 @@ import numpy as np
 import torch
 from torch import nn
 
+from tandem.engines.training.checkpoint import MARKER, partial_dir, publish_dir, read_marker
 from tandem.engines.training.fsdp.parallel import DistContext
 
-__all__ = ["MARKER", "Checkpointable", "load_checkpoint", "read_metadata", "save_checkpoint"]
+__all__ = ["MARKER", "Checkpointable", "load_checkpoint", "publish_dir", "read_metadata", "save_checkpoint"]
 
-MARKER = "tandem_checkpoint.json"
 FORMAT = "tandem-fsdp-1"
 
 
@@ -97,34 +97,6 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _fsync_tree(root: Path) -> None:
-    for p in sorted(root.rglob("*")):
-        if p.is_file():
-            with open(p, "rb") as f:
-                os.fsync(f.fileno())
-    fd = os.open(root, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def publish_dir(tmp: Path, final: Path) -> None:
-    """Rename the finished ``tmp`` to ``final``, replacing an older ``final`` (single process)."""
-    _fsync_tree(tmp)
-    old = final.parent / f".{final.name}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(
     path: str | os.PathLike, roles: Mapping[str, Checkpointable], ctx: DistContext, metadata: dict[str, Any]
 ) -> Path:
@@ -132,7 +104,7 @@ def save_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     final = Path(path).absolute()
-    tmp = final.parent / f".{final.name}.partial"
+    tmp = partial_dir(final)
     if ctx.is_main:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -151,17 +123,7 @@ def save_checkpoint(
 
 def read_metadata(path: str | os.PathLike) -> dict[str, Any]:
     """The metadata of a finished checkpoint; raises FileNotFoundError for anything else."""
-    p = Path(path)
-    marker = p / MARKER
-    if not marker.is_file():
-        raise FileNotFoundError(
-            f"{p} is not a complete Tandem checkpoint (no {MARKER}; an interrupted save leaves only "
-            f".{p.name}.partial)"
-        )
-    meta = json.loads(marker.read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(f"{p}: checkpoint format {meta.get('format')!r}, expected {FORMAT!r}")
-    return meta
+    return read_marker(path, FORMAT)
 
 
 def load_model_weights(

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -25,16 +24,18 @@ from torch import nn
 from tandem.core.batch import TrainBatch
 from tandem.core.losses import reduce_micro_batch_metrics
 from tandem.core.masked import metrics_to_floats
-from tandem.core.protocols import LogProbOutput, LossFn
+from tandem.core.protocols import EngineAsleepError, EngineClosedError, EngineInfo, LogProbOutput, LossFn
 from tandem.engines.training.common import (
     MicroBatch,
     bucket_by_bytes,
     check_batch,
     dummy_micro_batch,
-    local_loss_scale,
-    loss_scale_from,
+    global_loss_scale,
     make_micro_batch,
     plan_micro_batches,
+    step_metrics,
+    step_skipped,
+    tandem_version,
 )
 from tandem.engines.training.fsdp import checkpoint as ckpt
 from tandem.engines.training.fsdp.config import FSDPConfig, OptimizerConfig
@@ -126,8 +127,21 @@ class FSDPEngine:
             raise ValueError("FSDPConfig.model is not set: name the model to train")
         self.config = config
         self.ctx = init_distributed(config.parallel, config.device)
+        try:
+            self._setup(config, lr_lambda, critic_lr_lambda)
+        except BaseException:
+            self.ctx.close()  # a failed build must not keep a process group it created alive
+            raise
+
+    def _setup(
+        self,
+        config: FSDPConfig,
+        lr_lambda: Callable[[int], float] | None,
+        critic_lr_lambda: Callable[[int], float] | None,
+    ) -> None:
         self._step = 0
         self._asleep = False
+        self._closed = False
         torch.manual_seed(config.seed)  # LoRA and value-head init: the same values on every rank
         loaded = load_lm(config.model, packing=config.packing)
         self.model_path, self.native = loaded.path, loaded.native
@@ -142,6 +156,7 @@ class FSDPEngine:
                 f"deterministic=True needs the native packed model; {config.model.name} runs on the HF "
                 "fallback (packing=False or an unsupported architecture)"
             )
+        self._info = self._describe(loaded)
         if config.qat is not None:  # before sharding: QATLinear replaces plain nn.Linear modules
             apply_quantization(loaded, config.qat)
         if config.lora is not None:
@@ -156,6 +171,25 @@ class FSDPEngine:
         self.critic = self._build_critic(critic_lr_lambda)
 
     # -- building -------------------------------------------------------------------------------------
+
+    def _describe(self, loaded: LoadedLM) -> EngineInfo:
+        """The policy forward as `EngineInfo` reports it (constant for the engine's life)."""
+        cfg = self.config
+        spec = loaded.lm.args if loaded.native else loaded.lm.config  # TransformerArgs or the HF config
+        return EngineInfo(
+            name="fsdp",
+            version=tandem_version(),
+            dtype=cfg.parallel.param_dtype or cfg.model.dtype,
+            deterministic=cfg.deterministic,
+            moe_layers=tuple(loaded.moe_layers),
+            max_context=loaded.max_context or 2**62,
+            vocab_size=getattr(spec, "vocab_size", None),
+            # sleep moves the weights off the GPU; on a CPU device (or fully CPU-offloaded) it frees nothing
+            can_sleep=self.ctx.device.type == "cuda" and not cfg.parallel.cpu_offload,
+            routed_experts=cfg.routing_replay,
+            lora_adapters=cfg.lora is not None,
+            temperature=cfg.temperature or 1.0,
+        )
 
     def _shard(self, root: nn.Module, loaded: LoadedLM, *, trainable: bool, offload: bool = False) -> nn.Module:
         layers = decoder_layers(loaded.lm, loaded.native)
@@ -187,6 +221,10 @@ class FSDPEngine:
         return _Trainable(module, cc.optimizer, lr_lambda, lora=False)
 
     # -- protocol -------------------------------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
 
     @property
     def step(self) -> int:
@@ -239,6 +277,7 @@ class FSDPEngine:
         return self._finish_step(trainable, model, stats, started)
 
     def _trainable(self, model: str) -> _Trainable:
+        self._check_open()
         trainable = {"policy": self.policy, "critic": self.critic}.get(model)
         if trainable is None:
             raise ValueError(f"cannot train model={model!r} (trainable: policy, and critic if configured)")
@@ -248,7 +287,7 @@ class FSDPEngine:
         """Forward + backward over all micro-batches; leaves the summed gradients in ``.grad``."""
         trainable = self._trainable(model)
         self._check(batch)
-        scale = self._global_loss_scale(batch)
+        scale = global_loss_scale(batch, self.ctx.all_reduce)
         module = trainable.module
         module.train()
         trainable.optimizer.zero_grad(set_to_none=True)
@@ -283,7 +322,7 @@ class FSDPEngine:
         global_loss = sum(g[0] for g in everyone)
         grad_norm = stats.grad_norm
         norm = float(grad_norm)
-        skipped = not (math.isfinite(global_loss) and math.isfinite(norm))
+        skipped = step_skipped(global_loss, norm)
         lr = float(trainable.scheduler.get_last_lr()[0])
         if not skipped:
             if trainable.grad_clip > 0:
@@ -295,26 +334,22 @@ class FSDPEngine:
         trainable.scheduler.step()
         if model == "policy":
             self._step += 1
-        elapsed = time.perf_counter() - started
-        total_tokens = sum(g[2] for g in everyone)
-        prefix = "train" if model == "policy" else "critic"
-        metrics = reduce_micro_batch_metrics(g[1] for g in everyone)
-        out = {
-            f"{prefix}/loss": global_loss,
-            f"{prefix}/grad_norm": norm,
-            f"{prefix}/lr": lr,
-            f"{prefix}/skipped_step": float(skipped),
-            f"{prefix}/tokens": float(total_tokens),
-            f"{prefix}/tokens_per_s": total_tokens / max(elapsed, 1e-9),
-            f"{prefix}/step_time_s": elapsed,
-            **metrics,
-        }
         pairs = [m for g in everyone for m in g[3]]
+        extra = {}
         if pairs:
-            out["moe/route_mismatch_frac"] = sum(f * n for f, n in pairs) / max(sum(n for _, n in pairs), 1)
-        if self.ctx.device.type == "cuda":
-            out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        return out
+            extra["moe/route_mismatch_frac"] = sum(f * n for f, n in pairs) / max(sum(n for _, n in pairs), 1)
+        return step_metrics(
+            "train" if model == "policy" else "critic",
+            loss=global_loss,
+            grad_norm=norm,
+            lr=lr,
+            skipped=skipped,
+            tokens=sum(g[2] for g in everyone),
+            started=started,
+            rank_metrics=(g[1] for g in everyone),
+            device=self.ctx.device,
+            extra=extra,
+        )
 
     def named_parameters_for_sync(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named full policy weights in buckets of at most ``bucket_bytes``.
@@ -326,6 +361,7 @@ class FSDPEngine:
         master weights; the engine (``quantization``) or the sync (``sync.quantize``) quantizes them
         with the same op as the forward, so it serves the forward's weights.
         """
+        self._check_open()
         adapter_only = self.config.lora is not None and self.config.lora.sync == "adapter"
         gather = partial(full_tensor, device=self.ctx.device)
         named = hf_tensors(self.policy.module.lm, gather=gather, adapter_only=adapter_only)
@@ -333,6 +369,7 @@ class FSDPEngine:
 
     def save(self, path: str) -> None:
         """DCP checkpoint of the policy (and critic): weights, optimizer, LR schedule, RNG, step."""
+        self._check_open()
         meta = {
             "step": self._step,
             "model": dataclasses.asdict(self.config.model),
@@ -343,6 +380,7 @@ class FSDPEngine:
         ckpt.save_checkpoint(path, self._checkpointables(), self.ctx, meta)
 
     def load(self, path: str) -> None:
+        self._check_open()
         meta = ckpt.load_checkpoint(path, self._checkpointables(), self.ctx)
         self._step = int(meta["step"])
 
@@ -357,6 +395,13 @@ class FSDPEngine:
     def wake_up(self) -> None:
         self._move_all(self.ctx.device)
         self._asleep = False
+
+    def close(self) -> None:
+        """Release the process group if this engine created it (under torchrun, without a group of the
+        caller's; the last engine on it destroys it). A group the caller created stays. Idempotent;
+        afterwards every other call raises `EngineClosedError`."""
+        self._closed = True
+        self.ctx.close()
 
     # -- internals ------------------------------------------------------------------------------------
 
@@ -383,9 +428,14 @@ class FSDPEngine:
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the FSDP engine is closed")
+
     def _module_for(self, model: Role) -> tuple[nn.Module, contextlib.AbstractContextManager]:
+        self._check_open()
         if self._asleep:
-            raise RuntimeError("the engine is asleep; call wake_up() first")
+            raise EngineAsleepError("the engine is asleep; call wake_up() first")
         if model == "policy":
             return self.policy.module, contextlib.nullcontext()
         if model == "ref":
@@ -409,12 +459,6 @@ class FSDPEngine:
         )
         if self.config.routing_replay and batch.routed_experts is None:
             raise ValueError("routing_replay=True but the batch has no routed_experts")
-
-    def _global_loss_scale(self, batch: TrainBatch):
-        local = local_loss_scale(batch)
-        sums = self.ctx.all_reduce(local[:2], "sum")
-        width = self.ctx.all_reduce(local[2:], "max")
-        return loss_scale_from(torch.cat([sums, width]))
 
     def _micro_batches(self, batch: TrainBatch, plan: list[list[int]], native: bool):
         """``(rows' sub-batch, MicroBatch)`` pairs, the micro-batch on the device.

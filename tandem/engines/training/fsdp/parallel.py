@@ -2,6 +2,10 @@
 
 One process without a process group is a plain single-process run: no mesh, no sharding, and every
 collective below degenerates to the identity, so the engine code has one path for all world sizes.
+
+A process group that `init_distributed` created (torchrun without a group of the caller's) belongs to
+the engines: contexts on it are counted and the last `DistContext.close` destroys it. A group the
+caller created is never destroyed here.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class DistContext:
     world_size: int
     device: torch.device
     mesh: Any = None  # torch.distributed.DeviceMesh
+    owns_group: bool = False  # on a group init_distributed created: counted in _USERS
+    closed: bool = False
 
     @property
     def sharded(self) -> bool:
@@ -70,19 +76,56 @@ class DistContext:
         if self.sharded:
             dist.barrier()
 
+    def close(self) -> None:
+        """Release this context; the last one on a group that `init_distributed` created destroys the
+        group. Idempotent."""
+        global _USERS
+        if self.closed:
+            return
+        self.closed = True
+        if not self.owns_group:
+            return
+        _USERS -= 1
+        if _USERS == 0 and _ours():
+            dist.destroy_process_group()
+
+
+_OWNED: Any = None  # the default process group init_distributed created (None: it created none)
+_USERS = 0  # live contexts on that group
+
+
+def _ours() -> bool:
+    """Whether the current default group is the one init_distributed created."""
+    return dist.is_initialized() and _OWNED is not None and dist.group.WORLD is _OWNED
+
 
 def init_distributed(cfg: ParallelConfig, device_preference: str) -> DistContext:
     """Join (or create, under torchrun) the process group and build the data-parallel mesh.
 
     An existing default group is used as it is. Without one, ``WORLD_SIZE > 1`` in the environment
     (torchrun) creates it with ``cfg.backend`` (``auto``: NCCL on CUDA, gloo on CPU); otherwise the run
-    is a single plain process.
+    is a single plain process. Close the context (`DistContext.close`) when the engine is done.
     """
+    global _OWNED, _USERS
     if not dist.is_initialized() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         backend = cfg.backend
         if backend == "auto":
             backend = "nccl" if device_preference != "cpu" and torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
+        _OWNED, _USERS = dist.group.WORLD, 0
+    owns = _ours()  # created just now, or joining the group an earlier engine created
+    try:
+        ctx = _context(cfg, device_preference)
+    except BaseException:
+        if owns and _USERS == 0:  # do not leak the group this call created
+            dist.destroy_process_group()
+        raise
+    ctx.owns_group = owns
+    _USERS += int(owns)
+    return ctx
+
+
+def _context(cfg: ParallelConfig, device_preference: str) -> DistContext:
     device = pick_device(device_preference)
     if not dist.is_initialized():
         if cfg.replicate != 1:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tandem.engines.training.fsdp.checkpoint import MARKER, publish_dir
+from tandem.engines.training.checkpoint import MARKER, partial_dir, publish_dir, read_marker
 
 __all__ = ["FORMAT", "load_checkpoint", "read_metadata", "save_checkpoint", "shard_key"]
 
@@ -111,7 +111,7 @@ def save_checkpoint(
     import torch.distributed.checkpoint as dcp
 
     final = Path(path).absolute()
-    tmp = final.parent / f".{final.name}.partial"
+    tmp = partial_dir(final)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
@@ -130,18 +130,8 @@ def save_checkpoint(
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
-    p = Path(path)
-    marker = p / MARKER
-    if not marker.is_file():
-        raise FileNotFoundError(
-            f"{p} is not a complete Tandem checkpoint (no {MARKER}; an interrupted save leaves only .{p.name}.partial)"
-        )
-    meta = json.loads(marker.read_text())
-    if meta.get("format") != FORMAT:
-        raise ValueError(
-            f"{p}: checkpoint format {meta.get('format')!r}, expected {FORMAT!r} (a Megatron engine checkpoint)"
-        )
-    return meta
+    """The metadata of a finished Megatron checkpoint; raises FileNotFoundError for anything else."""
+    return read_marker(path, FORMAT, what="a Megatron engine checkpoint")
 
 
 def load_checkpoint(

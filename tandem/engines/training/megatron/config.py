@@ -1,7 +1,7 @@
 """Configuration of the Megatron-core training engine: one small dataclass per concern, validated on creation.
 
-The optimizer section is the FSDP engine's `OptimizerConfig` (AdamW + clipping), so a recipe switches
-engines without touching it. Megatron-only settings that Tandem does not interpret go to
+The optimizer section is the `OptimizerConfig` every training engine shares (AdamW + clipping), so a
+recipe switches engines without touching it. Megatron-only settings that Tandem does not interpret go to
 ``transformer_config`` verbatim (extra ``TransformerConfig`` fields, e.g. ``recompute_granularity``).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tandem.engines.training.fsdp.config import OptimizerConfig
+from tandem.engines.training.config import OptimizerConfig
 from tandem.models.registry import ModelConfig
 
 __all__ = ["MegatronConfig", "MegatronParallelConfig", "MegatronRefConfig", "OptimizerConfig"]

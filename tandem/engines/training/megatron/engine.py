@@ -17,6 +17,7 @@ a rank with fewer runs stand-in micro-batches that contribute nothing.
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -28,16 +29,17 @@ import torch.distributed as dist
 from tandem.core.batch import TrainBatch
 from tandem.core.losses import reduce_micro_batch_metrics
 from tandem.core.masked import metrics_to_floats
-from tandem.core.protocols import LogProbOutput, LossFn, LossScale
+from tandem.core.protocols import EngineAsleepError, EngineClosedError, EngineInfo, LogProbOutput, LossFn
 from tandem.engines.training.common import (
     bucket_by_bytes,
     check_batch,
     dummy_micro_batch,
-    local_loss_scale,
-    loss_scale_from,
+    global_loss_scale,
     make_micro_batch,
     plan_micro_batches,
     split_for_data_parallel,
+    step_metrics,
+    step_skipped,
 )
 from tandem.engines.training.megatron import checkpoint as ckpt
 from tandem.engines.training.megatron.config import MegatronConfig
@@ -79,6 +81,15 @@ def _import_megatron() -> None:
         ) from e
 
 
+def _megatron_version() -> str:
+    try:
+        return importlib.metadata.version("megatron-core")
+    except importlib.metadata.PackageNotFoundError:  # a source checkout on the path
+        import megatron.core
+
+        return str(getattr(megatron.core, "__version__", ""))
+
+
 class MegatronEngine:
     """Satisfies `tandem.core.protocols.TrainingEngine`. Build one per rank, on every rank.
 
@@ -110,6 +121,7 @@ class MegatronEngine:
         par = config.parallel
         self._step = 0
         self._asleep = False
+        self._closed = False
         self.transformer_engine = self._use_transformer_engine()
         self._seed_rng(config.seed)
         self.policy = self._build(config.model.name)
@@ -135,6 +147,7 @@ class MegatronEngine:
         self._norm_skip = (
             frozenset({_EMBEDDING}) if tied_multi_stage and not self.ctx.first_stage else frozenset()
         )
+        self._info = self._describe()
 
     # -- building -------------------------------------------------------------------------------------
 
@@ -185,7 +198,26 @@ class MegatronEngine:
             extra_config=cfg.transformer_config,
         )
 
+    def _describe(self) -> EngineInfo:
+        """The policy forward as `EngineInfo` reports it (constant for the engine's life)."""
+        cfg, args = self.config, self.policy.args
+        return EngineInfo(
+            name="megatron",
+            version=_megatron_version(),
+            dtype=cfg.model.dtype,
+            deterministic=cfg.deterministic,
+            moe_layers=tuple(args.moe_layers),
+            max_context=args.max_position_embeddings,
+            vocab_size=args.vocab_size,  # the model's, not Megatron's padded one
+            can_sleep=self.ctx.device.type == "cuda",  # sleep moves weights off the GPU; a no-op on CPU
+            temperature=cfg.temperature or 1.0,
+        )
+
     # -- data layout ----------------------------------------------------------------------------------
+
+    @property
+    def info(self) -> EngineInfo:
+        return self._info
 
     @property
     def step(self) -> int:
@@ -282,9 +314,14 @@ class MegatronEngine:
             with_entropy=with_entropy,
         )
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise EngineClosedError("the Megatron engine is closed")
+
     def _module_for(self, model: Role) -> BuiltModel:
+        self._check_open()
         if self._asleep:
-            raise RuntimeError("the engine is asleep; call wake_up() first")
+            raise EngineAsleepError("the engine is asleep; call wake_up() first")
         if model == "policy":
             return self.policy
         if model == "ref":
@@ -345,7 +382,7 @@ class MegatronEngine:
         """Forward + backward over all micro-batches; leaves this rank's (not yet reduced) gradients in ``.grad``."""
         built = self._module_for("policy")
         self._check(batch)
-        scale = self._global_loss_scale(batch)
+        scale = global_loss_scale(batch, lambda t, op: self.ctx.all_reduce(t, op, "dp"))
         plan = plan_micro_batches(batch, self.config.micro_batch_tokens)
         stage_batches = self._stage_batches(batch, plan)
         built.module.train()
@@ -406,7 +443,7 @@ class MegatronEngine:
         everyone = [g for g in ctx.all_gather_object((mine, stats.tokens)) if g[0] is not None]
         global_loss = sum(g[0][0] for g in everyone)
         norm = float(norm_t)
-        skipped = not (math.isfinite(global_loss) and math.isfinite(norm))
+        skipped = step_skipped(global_loss, norm)
         lr = self.optim.lr
         if not skipped:
             self.optim.clip(norm_t, self.config.optimizer.grad_clip)
@@ -414,28 +451,26 @@ class MegatronEngine:
         self.optim.zero_grad()
         self.optim.schedule_step()
         self._step += 1
-        elapsed = time.perf_counter() - started
-        tokens = sum(g[1] for g in everyone)
-        out = {
-            "train/loss": global_loss,
-            "train/grad_norm": norm,
-            "train/lr": lr,
-            "train/skipped_step": float(skipped),
-            "train/tokens": float(tokens),
-            "train/tokens_per_s": tokens / max(elapsed, 1e-9),
-            "train/step_time_s": elapsed,
-            **reduce_micro_batch_metrics(g[0][1] for g in everyone),
-        }
-        if ctx.device.type == "cuda":
-            out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
-        return out
+        return step_metrics(
+            "train",
+            loss=global_loss,
+            grad_norm=norm,
+            lr=lr,
+            skipped=skipped,
+            tokens=sum(g[1] for g in everyone),
+            started=started,
+            rank_metrics=(g[0][1] for g in everyone),
+            device=ctx.device,
+        )
 
     def named_parameters_for_sync(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """HF-named full policy weights in buckets of at most ``bucket_bytes`` (collective: drain on every rank)."""
+        self._check_open()
         yield from bucket_by_bytes(hf_tensors(self.policy, self.ctx, self._dtype), bucket_bytes)
 
     def save(self, path: str) -> None:
         """DCP checkpoint: weights, optimizer, LR schedule, RNG, step (collective)."""
+        self._check_open()
         meta = {
             "step": self._step,
             "model": dataclasses.asdict(self.config.model),
@@ -456,6 +491,7 @@ class MegatronEngine:
         )
 
     def load(self, path: str) -> None:
+        self._check_open()
         meta = ckpt.load_checkpoint(
             path,
             params=self._ckpt_params(),
@@ -478,7 +514,10 @@ class MegatronEngine:
         self._asleep = False
 
     def close(self) -> None:
-        """Release Megatron's parallel state (and the process group if the engine created it)."""
+        """Release Megatron's parallel state (and the process group if the engine created it) once the
+        last engine of this layout closes. Idempotent; afterwards every other call raises
+        `EngineClosedError`."""
+        self._closed = True
         self.ctx.close()
 
     # -- internals ------------------------------------------------------------------------------------
@@ -501,12 +540,6 @@ class MegatronEngine:
         etp_group = self.ctx.groups["etp"]
         etp = (dist.get_rank(etp_group), dist.get_world_size(etp_group))
         return [(ckpt.shard_key(name, rule.split, rule.expert, tp, etp), p) for name, rule, p in self.params]
-
-    def _global_loss_scale(self, batch: TrainBatch) -> LossScale:
-        local = local_loss_scale(batch)
-        sums = self.ctx.all_reduce(local[:2], "sum", "dp")
-        width = self.ctx.all_reduce(local[2:], "max", "dp")
-        return loss_scale_from(torch.cat([sums, width]))
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """Broadcast a CPU tensor from the last pipeline stage to every stage of this rank's pipeline."""

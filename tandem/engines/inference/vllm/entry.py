@@ -1,0 +1,39 @@
+"""Registry entry of the vLLM adapter (`tandem.engines.registry`). Importing it does not import vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tandem.engines.registry import EngineEntry, RunFacts
+
+__all__ = ["ENTRY"]
+
+
+def fill(facts: RunFacts, config: Any):
+    """The recipe's ``inference.vllm`` section with the run's model, seed and context; with adapter-only
+    LoRA sync, vLLM serves the trainer's adapter with the trainer's scaling and rank."""
+    from tandem.engines.inference.vllm.config import VLLMEngineConfig
+
+    ec = config or VLLMEngineConfig(model=facts.model)
+    changes: dict[str, Any] = {"seed": facts.seed, "max_model_len": min(ec.max_model_len, facts.max_context)}
+    if ec.model is None:
+        changes["model"] = facts.model
+    if facts.adapter_sync and facts.lora_rank is not None and ec.lora_alpha is None:
+        changes |= {"lora_alpha": facts.lora_alpha, "lora_max_rank": max(ec.lora_max_rank, facts.lora_rank)}
+    return dataclasses.replace(ec, **changes)
+
+
+ENTRY = EngineEntry(
+    name="vllm",
+    kind="inference",
+    config="tandem.engines.inference.vllm.config:VLLMEngineConfig",
+    factory="tandem.engines.inference.vllm.engine:VLLMEngine",
+    fill=fill,
+    # sleep mode on CUDA/ROCm/XPU only (the built engine's info says)
+    capabilities=frozenset({"can_sleep", "lora_adapters"}),
+    why_not={"can_score": "the adapter has no prefill score()", "routed_experts": "vLLM returns no routed experts",
+             "partial_updates": "vLLM reloads whole layers, so it needs full updates",
+             "exposes_weights": "vLLM repacks its weights; they are not readable by HF name"},
+    install="pip install 'tandem-rl[vllm]' (CPU: scripts/install_vllm.sh builds a separate venv)",
+)

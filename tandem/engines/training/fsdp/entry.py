@@ -1,0 +1,51 @@
+"""Registry entry of the FSDP2 training engine (`tandem.engines.registry`)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tandem.engines.registry import EngineEntry, RunFacts, TrainerFacts
+
+__all__ = ["ENTRY"]
+
+
+def fill(facts: RunFacts, config: Any):
+    """The recipe's ``trainer.fsdp`` section with the run's model and seed, the rollout's temperature
+    (the shared log-prob convention), a reference for a KL term, a critic for GAE, and the LoRA sync
+    mode of ``sync.lora_mode``."""
+    from tandem.engines.training.fsdp.config import CriticConfig, FSDPConfig, RefConfig
+
+    fc = config or FSDPConfig(model=facts.model)
+    changes: dict[str, Any] = {"seed": facts.seed, "temperature": facts.temperature or 1.0}
+    if fc.model is None:
+        changes["model"] = facts.model
+    if facts.needs_ref and fc.ref is None:
+        changes["ref"] = RefConfig()
+    if facts.needs_critic and fc.critic is None:
+        changes["critic"] = CriticConfig()
+    if facts.adapter_sync and fc.lora is not None:
+        changes["lora"] = dataclasses.replace(fc.lora, sync="adapter")
+    return dataclasses.replace(fc, **changes)
+
+
+def describe(config: Any) -> TrainerFacts:
+    lora = config.lora
+    return TrainerFacts(routing_replay=config.routing_replay, lora_rank=lora.rank if lora else None,
+                        lora_alpha=lora.alpha if lora else None)
+
+
+ENTRY = EngineEntry(
+    name="fsdp",
+    kind="training",
+    config="tandem.engines.training.fsdp.config:FSDPConfig",
+    factory="tandem.engines.training.fsdp.engine:FSDPEngine",
+    fill=fill,
+    describe=describe,
+    capabilities=frozenset({"can_sleep", "routed_experts", "lora_adapters", "critic", "ref"}),
+    hints={
+        "trainer_deterministic": "trainer.fsdp.deterministic: true",
+        "same_temperature": "trainer.fsdp.temperature equal to rollout.sampling.temperature",
+        "routing_replay": "trainer.fsdp.routing_replay: true (R3) for a MoE model",
+    },
+)

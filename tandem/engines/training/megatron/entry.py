@@ -1,0 +1,39 @@
+"""Registry entry of the Megatron-core training engine (`tandem.engines.registry`). Importing it does
+not import megatron-core."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from tandem.engines.registry import EngineEntry, RunFacts, TrainerFacts
+
+__all__ = ["ENTRY"]
+
+
+def fill(facts: RunFacts, config: Any):
+    """The recipe's ``trainer.megatron`` section with the run's model, seed and rollout temperature, and a
+    reference for a KL term."""
+    from tandem.engines.training.megatron.config import MegatronConfig, MegatronRefConfig
+
+    mc = config or MegatronConfig(model=facts.model)
+    changes: dict[str, Any] = {"seed": facts.seed, "temperature": facts.temperature or 1.0}
+    if mc.model is None:
+        changes["model"] = facts.model
+    if facts.needs_ref and mc.ref is None:
+        changes["ref"] = MegatronRefConfig()
+    return dataclasses.replace(mc, **changes)
+
+
+ENTRY = EngineEntry(
+    name="megatron",
+    kind="training",
+    config="tandem.engines.training.megatron.config:MegatronConfig",
+    factory="tandem.engines.training.megatron.engine:MegatronEngine",
+    fill=fill,
+    describe=lambda config: TrainerFacts(),
+    capabilities=frozenset({"can_sleep", "ref"}),
+    hints={"trainer_deterministic": "trainer.megatron.deterministic: true",
+           "same_temperature": "trainer.megatron.temperature equal to rollout.sampling.temperature"},
+    install="pip install 'tandem-rl[megatron]' (megatron-core==0.16.1 on Python 3.11)",
+)
