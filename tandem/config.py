@@ -28,7 +28,9 @@ from typing import Any, TypeVar
 
 import yaml
 
-__all__ = ["ConfigError", "apply_overrides", "from_dict", "load_config", "save_config", "to_dict", "unknown_key"]
+__all__ = [
+    "ConfigError", "apply_overrides", "convert", "from_dict", "load_config", "save_config", "to_dict", "unknown_key",
+]
 
 T = TypeVar("T")
 
@@ -128,6 +130,11 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             return Path(value)
         raise ConfigError(f"{key}: expected a path, got {value!r}")
     raise ConfigError(f"{key}: unsupported config type {_type_name(tp)}")
+
+
+def convert(value: Any, tp: Any, key: str) -> Any:
+    """``value`` checked and converted to the (resolved) type ``tp``; ``key`` names it in errors."""
+    return _convert(value, tp, key)
 
 
 def unknown_key(path: str, key: str, valid: Sequence[str]) -> ConfigError:

@@ -184,6 +184,9 @@ class GenerationRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    # requests of one conversation share it: a router in front of several replicas sends them to one
+    # replica (its prefix stays warm there); an engine ignores it
+    session_id: str | None = None
 
     def check(
         self, *, vocab_size: int, max_model_len: int, routed_experts: bool = False
@@ -363,6 +366,11 @@ class TrainingEngine(Protocol):
 
     @property
     def step(self) -> int: ...
+
+    def local_rows(self, batch: TrainBatch) -> list[int]:
+        """The rows of a global ``batch`` this rank works on (its data-parallel share; every row in one
+        process). A placement that runs the ranks as actors hands each the global batch and lets it pick."""
+        ...
 
     def forward_logprobs(
         self, batch: TrainBatch, *, with_entropy: bool = False, model: str = "policy"

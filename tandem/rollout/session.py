@@ -285,7 +285,7 @@ class SessionStore:
 
     async def _generate(self, session: Session, work: Trajectory, request: TurnRequest):
         sampling = self._sampling(session, request, room=self.context_limit - len(work.ids))
-        gen = GenerationRequest(prompt_token_ids=list(work.ids), sampling=sampling,
+        gen = GenerationRequest(prompt_token_ids=list(work.ids), sampling=sampling, session_id=session.id,
                                 request_id=f"{session.id}-{session.num_generations}-{uuid.uuid4().hex[:8]}")
         session.num_generations += 1
         session.inflight_request_id = gen.request_id

@@ -146,7 +146,7 @@ def check_rollout(cfg: RunConfig) -> GenerateFunction:
 
 
 # The transports that can reach the engine in each placement.
-PLACEMENT_TRANSPORTS = {"colocated": ("inprocess",), "separate": ("broadcast", "disk")}
+PLACEMENT_TRANSPORTS = {"colocated": ("inprocess",), "separate": ("broadcast", "disk"), "ray": ("ray",)}
 
 
 def check_placement(cfg: RunConfig) -> None:
@@ -154,8 +154,9 @@ def check_placement(cfg: RunConfig) -> None:
     placement, transport = cfg.runtime.placement, cfg.sync.transport
     allowed = PLACEMENT_TRANSPORTS[placement]
     if transport not in allowed:
-        where = ("the engine shares the trainer's process" if placement == "colocated"
-                 else "the engine runs in its own process")
+        where = {"colocated": "the engine shares the trainer's process",
+                 "separate": "the engine runs in its own process",
+                 "ray": "the replicas are Ray actors, synced through the object store"}[placement]
         raise ConfigError(
             f"sync.transport={transport!r} does not fit runtime.placement={placement!r} ({where}): "
             f"use sync.transport: {' or '.join(allowed)}"

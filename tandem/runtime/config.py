@@ -7,11 +7,12 @@ section and nothing else. The top-level ``model`` is the policy: the engine sect
 
 from __future__ import annotations
 
+import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar, Literal
 
-from tandem.config import ConfigError, from_dict, unknown_key
+from tandem.config import ConfigError, convert, from_dict, unknown_key
 from tandem.core.algorithm import AlgorithmConfig
 from tandem.engines.registry import EngineEntry, registry
 from tandem.models.registry import ModelConfig
@@ -26,12 +27,16 @@ from tandem.sync.base import SyncConfig
 __all__ = [
     "EngineSection",
     "InferenceSection",
+    "RayConfig",
     "RolloutConfig",
     "RunConfig",
     "RunMetaConfig",
     "RuntimeConfig",
     "TrainerSection",
 ]
+
+
+PLACEMENT_DEFAULT_TRANSPORT = {"colocated": "inprocess", "separate": "broadcast", "ray": "ray"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -93,7 +98,8 @@ class RuntimeConfig:
     """
 
     mode: Literal["sync", "one_step_off", "fully_async"] = "sync"
-    placement: Literal["colocated", "separate"] = "colocated"
+    placement: Literal["colocated", "separate", "ray"] = "colocated"
+    max_trainer_restarts: int = 2  # ray placement: trainer groups rebuilt (resuming from the last checkpoint)
     max_staleness: int = 1
     stale_policy: Literal["drop", "regenerate"] = "drop"
     queue_groups: int = 16
@@ -105,6 +111,54 @@ class RuntimeConfig:
             raise ValueError(f"max_staleness={self.max_staleness} must be >= 0")
         if self.queue_groups < 1:
             raise ValueError(f"queue_groups={self.queue_groups} must be >= 1")
+        if self.max_trainer_restarts < 0:
+            raise ValueError(f"max_trainer_restarts={self.max_trainer_restarts} must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class RayConfig:
+    """``runtime.placement: ray`` (docs/ray.md): where the trainer ranks and the inference replicas run.
+
+    ``address``: None starts a local Ray inside the run (``num_cpus`` of this machine); ``auto`` or
+    ``host:port`` joins a running cluster. One placement group holds a bundle per trainer rank and, in
+    the ``disaggregated`` layout, one per inference replica (``colocated``: replicas share the trainer
+    ranks' bundles and sleep while the trainer trains); ``strategy`` is Ray's (``PACK`` fills a node
+    first, ``SPREAD`` puts bundles on different nodes). Bundle sizes: ``trainer_cpus`` / ``trainer_gpus``
+    per rank, ``engine_cpus`` / ``engine_gpus`` per replica; ``*_resources`` add custom Ray resources to
+    a bundle (e.g. a node label, to pin the trainer to a node). ``max_replica_restarts``: how often Ray
+    restarts one replica actor that died. ``torch_threads``: intra-op threads of each actor.
+    """
+
+    address: str | None = None
+    num_cpus: int | None = None  # a local Ray only (None: Ray's default, every core)
+    namespace: str | None = None
+    trainer_ranks: int = 1
+    layout: Literal["disaggregated", "colocated"] = "disaggregated"
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    trainer_cpus: float = 1.0
+    trainer_gpus: float = 0.0
+    engine_cpus: float = 1.0
+    engine_gpus: float = 0.0
+    trainer_resources: dict[str, float] = field(default_factory=dict)
+    engine_resources: dict[str, float] = field(default_factory=dict)
+    max_replica_restarts: int = 20
+    torch_threads: int | None = None  # None: the bundle's CPU count (at least 1)
+    start_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.trainer_ranks < 1:
+            raise ValueError(f"trainer_ranks={self.trainer_ranks} must be >= 1")
+        for name in ("trainer_cpus", "trainer_gpus", "engine_cpus", "engine_gpus"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
+        if self.trainer_cpus == self.trainer_gpus == 0 and not self.trainer_resources:
+            raise ValueError("a trainer bundle needs some resource (trainer_cpus, trainer_gpus or trainer_resources)")
+        if self.max_replica_restarts < 0:
+            raise ValueError(f"max_replica_restarts={self.max_replica_restarts} must be >= 0")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"torch_threads={self.torch_threads} must be >= 1")
+        if self.start_timeout_s <= 0:
+            raise ValueError(f"start_timeout_s={self.start_timeout_s} must be > 0")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -116,6 +170,7 @@ class EngineSection:
     The engine sections leave their ``model`` unset: the runtime fills in the run's model."""
 
     KIND: ClassVar[str] = ""
+    PLAIN_KEYS: ClassVar[tuple[str, ...]] = ()  # fields of the section itself, besides engine and settings
     engine: str
     settings: dict[str, Any] = field(default_factory=dict)  # engine name -> its config (or None)
 
@@ -137,6 +192,8 @@ class EngineSection:
 
     @classmethod
     def from_config_dict(cls, data: Mapping[str, Any], *, path: str) -> EngineSection:
+        plain = {k: data[k] for k in cls.PLAIN_KEYS if k in data}  # the section's own fields
+        data = {k: v for k, v in data.items() if k not in cls.PLAIN_KEYS}
         engine = data.get("engine", cls.__dataclass_fields__["engine"].default)
         if not isinstance(engine, str) or not engine:
             raise ConfigError(f"{path}.engine: expected an engine name or 'module:ENTRY', got {engine!r}")
@@ -145,7 +202,7 @@ class EngineSection:
             entry = reg.get(engine)
         except PluginError as e:
             raise ConfigError(f"{path}.engine: {e}") from None
-        valid = ["engine", *reg.names(), entry.name]
+        valid = ["engine", *cls.PLAIN_KEYS, *reg.names(), entry.name]
         settings = {}
         for key, value in data.items():
             if key == "engine":
@@ -154,10 +211,13 @@ class EngineSection:
                 raise unknown_key(path, str(key), sorted(set(valid)))
             owner = entry if key == entry.name else reg.get(key)
             settings[key] = None if value is None else from_dict(owner.config_class(), value, path=f"{path}.{key}")
-        return cls(engine=engine, settings=settings)
+        hints = typing.get_type_hints(cls)
+        for key, value in plain.items():
+            plain[key] = convert(value, hints[key], f"{path}.{key}")
+        return cls(engine=engine, settings=settings, **plain)
 
     def to_config_dict(self) -> dict[str, Any]:
-        return {"engine": self.engine, **self.settings}
+        return {"engine": self.engine, **{k: getattr(self, k) for k in self.PLAIN_KEYS}, **self.settings}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -170,10 +230,18 @@ class TrainerSection(EngineSection):
 
 @dataclass(kw_only=True, slots=True)
 class InferenceSection(EngineSection):
-    """``inference:``: ``torch`` (the embedded engine, default), ``vllm`` or a plug-in."""
+    """``inference:``: ``torch`` (the embedded engine, default), ``vllm`` or a plug-in; ``replicas``: how
+    many copies serve the rollouts behind the router (``runtime.placement: ray``)."""
 
     KIND: ClassVar[str] = "inference"
+    PLAIN_KEYS: ClassVar[tuple[str, ...]] = ("replicas",)
     engine: str = "torch"
+    replicas: int = 1
+
+    def __post_init__(self) -> None:
+        EngineSection.__post_init__(self)
+        if self.replicas < 1:
+            raise ValueError(f"replicas={self.replicas} must be >= 1")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -188,9 +256,12 @@ class RunConfig:
     inference: InferenceSection = field(default_factory=InferenceSection)
     sync: SyncConfig = field(default_factory=SyncConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    ray: RayConfig = field(default_factory=RayConfig)  # runtime.placement: ray
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:
+        if self.sync.transport == "auto":  # the placement's own transport
+            self.sync = replace(self.sync, transport=PLACEMENT_DEFAULT_TRANSPORT[self.runtime.placement])
         off = self.algorithm.off_policy
         if self.rollout.load_dump and self.runtime.mode != "sync":
             raise ValueError(

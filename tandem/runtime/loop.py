@@ -80,6 +80,14 @@ class Run:
         self.sync: Any = None
         self.trainer: Any = None
         self.separate = cfg.runtime.placement == "separate"
+        self.cluster: Any = None  # runtime.placement: ray (tandem.runtime.ray.placement.RayPlacement)
+        if cfg.runtime.placement == "ray":
+            from tandem.runtime.ray.placement import RayPlacement
+
+            self.cluster = RayPlacement(cfg)
+        # the engine shares the trainer's memory: it sleeps while the trainer trains
+        self.shares_memory = cfg.runtime.placement == "colocated" or (
+            self.cluster is not None and cfg.ray.layout == "colocated")
         if self.separate:  # the engine process starts while this one builds the trainer
             self.engine, self.sync = builders.build_separate(cfg, self.plan)
         try:
@@ -90,10 +98,15 @@ class Run:
 
     def _init_components(self, resume: bool) -> None:
         cfg = self.cfg
-        self.trainer = builders.build_training_engine(cfg, self.plan)
+        if self.cluster is not None:
+            self.cluster.start(trainer_spec=builders.training_engine_spec(cfg, self.plan),
+                               engine_spec=builders.inference_engine_spec(cfg, self.plan))
+            self.trainer, self.engine, self.sync = self.cluster.trainer, self.cluster.router, self.cluster
+        else:
+            self.trainer = builders.build_training_engine(cfg, self.plan)
         if self.separate:
             self.engine.wait_ready()
-        else:
+        elif self.cluster is None:
             self.engine = builders.build_inference_engine(cfg, self.plan)
             self.sync = build_sender(cfg.sync, engine=self.engine)
         builders.check_built(self.plan, self.trainer.info, self.engine.info)
@@ -125,6 +138,7 @@ class Run:
                                config=to_dict(cfg))
         self.progress = Progress(enabled=cfg.tracking.progress, total=cfg.run.steps, start=self.step)
         self._asleep = False
+        self._initial_state = {"data": self.data.state_dict(), "kl": self.kl_ctl.state_dict()}
 
     # -- phases ---------------------------------------------------------------------------------------
 
@@ -193,6 +207,8 @@ class Run:
         return metrics | {"time/sync_s": time.perf_counter() - t0, "sync/version": float(self.version)}
 
     def _push_weights(self, version: int) -> dict[str, float]:
+        if self.cluster is not None:  # trainer rank 0 -> object store -> every replica
+            return self.cluster.push_weights(version)
         buckets = self.trainer.named_parameters_for_sync(self.cfg.sync.bucket_bytes)
         if not self.separate:
             return self.sync.send(buckets, version)
@@ -226,20 +242,62 @@ class Run:
         failed = True
         try:
             with self.progress:
-                mode = self.cfg.runtime.mode
-                if mode == "sync":
-                    self._train_sync()
-                elif mode == "one_step_off":
-                    self._train_one_step_off()
-                else:
-                    from tandem.runtime.async_loop import train_fully_async
-
-                    train_fully_async(self)
+                while True:
+                    try:
+                        self._train_mode()
+                        break
+                    except Exception as e:
+                        if not self._restart_trainer(e):
+                            raise
             failed = False
         finally:
             if close or failed:
                 self.close()
         return {"steps": self.step, "wall_s": time.perf_counter() - t0, "run_dir": str(self.run_dir)}
+
+    def _train_mode(self) -> None:
+        mode = self.cfg.runtime.mode
+        if mode == "sync":
+            self._train_sync()
+        elif mode == "one_step_off":
+            self._train_one_step_off()
+        else:
+            from tandem.runtime.async_loop import train_fully_async
+
+            train_fully_async(self)
+
+    def _restart_trainer(self, error: Exception) -> bool:
+        """Ray placement: a trainer rank died. Rebuild the group and continue from the last checkpoint (or
+        from the start), with a new weight version; False if this is not such a failure or no restart is
+        left (``runtime.max_trainer_restarts``)."""
+        from tandem.runtime.ray.trainer import TrainerGroupError
+
+        if self.cluster is None or not isinstance(error, TrainerGroupError):
+            return False
+        if self.cluster.trainer_restarts >= self.cfg.runtime.max_trainer_restarts:
+            log.error("the trainer group failed and runtime.max_trainer_restarts=%d restarts are used up",
+                      self.cfg.runtime.max_trainer_restarts)
+            return False
+        lost_at = self.step
+        self.trainer = self.cluster.rebuild_trainer()
+        ckpt = latest_checkpoint(self.run_dir)
+        if ckpt is not None:
+            state = load_run_state(ckpt, self.trainer)
+            self.step = state["step"]
+            self.data.load_state_dict(state["data"])
+            self.kl_ctl.load_state_dict(state["kl"])
+        else:  # nothing saved yet: the fresh group holds the initial weights
+            self.step = 0
+            self.data.load_state_dict(self._initial_state["data"])
+            self.kl_ctl.load_state_dict(self._initial_state["kl"])
+        self.tracker.rewind(self.step - 1)
+        # versions never go backwards: the restored weights reach the replicas as a new version
+        self.version += 1
+        self._push_weights(self.version)
+        log.warning("trainer group restarted (%d of %d) after: %s; resumed at step %d from %s (the step in flight, "
+                    "%d, and the ones after the checkpoint are done again)", self.cluster.trainer_restarts,
+                    self.cfg.runtime.max_trainer_restarts, error, self.step, ckpt or "the initial weights", lost_at)
+        return True
 
     def close(self) -> None:
         """Release the trackers, reward workers, engine and trainer; `train` ends with it. Idempotent:
@@ -261,6 +319,9 @@ class Run:
     def _release_partial(self) -> None:
         """A failed start-up (a refused capability, a trainer that failed to build): release what exists."""
         self.rewards.close()
+        if self.cluster is not None:
+            self.cluster.close()
+            return
         if self.engine is not None:
             if self.sync is not None:
                 self._close_engine()
@@ -270,6 +331,9 @@ class Run:
             self.trainer.close()
 
     def _close_engine(self) -> None:
+        if self.cluster is not None:
+            self.cluster.close()
+            return
         if not self.separate or self.engine.alive:
             self.sync.close()  # a receiver in the engine process stops waiting for updates
         self.engine.close()
@@ -281,7 +345,7 @@ class Run:
 
     def _sleep(self) -> None:
         # a separate engine keeps its memory; so does one without a sleep mode (vLLM on CPU)
-        if not self._asleep and not self.separate and self.engine.info.can_sleep:
+        if not self._asleep and self.shares_memory and self.engine.info.can_sleep:
             self.engine.sleep()
             self._asleep = True
 
@@ -319,6 +383,8 @@ class Run:
 
     def _finish_step(self, step: int, metrics: dict[str, float], samples: Sequence[Sample], t0: float) -> None:
         self.step = step + 1
+        if self.cluster is not None:
+            metrics |= self.cluster.metrics()
         metrics["time/step_s"] = time.perf_counter() - t0
         self.tracker.log(step, metrics)
         self.progress.done(step, metrics)

@@ -54,10 +54,7 @@ class Tracker:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         path = self.run_dir / "metrics.jsonl"
         if resume_step is not None and path.exists():
-            kept = [r for r in read_metrics(self.run_dir) if r.get("step", -1) <= resume_step]
-            tmp = path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            os.replace(tmp, path)
+            _keep_until(path, resume_step)
         elif resume_step is None and path.exists():
             path.unlink()
         self._file = path.open("a")
@@ -76,10 +73,23 @@ class Tracker:
         for b in self._backends:
             b.log(step, metrics)
 
+    def rewind(self, last_step: int) -> None:
+        """Drop the JSONL lines after ``last_step`` (a run that resumed in place from a checkpoint)."""
+        self._file.close()
+        _keep_until(self.run_dir / "metrics.jsonl", last_step)
+        self._file = (self.run_dir / "metrics.jsonl").open("a")
+
     def close(self) -> None:
         self._file.close()
         for b in self._backends:
             b.close()
+
+
+def _keep_until(path: Path, last_step: int) -> None:
+    kept = [r for r in read_metrics(path.parent) if r.get("step", -1) <= last_step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
 
 
 def _need(module: str, extra: str = "tracking"):

@@ -61,7 +61,8 @@ class SyncUnavailableError(SyncError):
 class SyncConfig:
     """The recipe's ``sync:`` section (see docs/sync.md)."""
 
-    transport: Literal["inprocess", "broadcast", "disk", "ray", "cuda_ipc", "cupy_nccl"] = "inprocess"
+    # auto: the placement's own (colocated: inprocess, separate: broadcast, ray: ray); a run resolves it
+    transport: Literal["auto", "inprocess", "broadcast", "disk", "ray", "cuda_ipc", "cupy_nccl"] = "auto"
     bucket_bytes: int = 256 * 1024 * 1024
     verify: bool = False  # debug: compare engine weights with the trainer's after each sync (xxh3)
     # broadcast / cupy_nccl: rendezvous of the dedicated group (trainer rank 0 + engine processes)

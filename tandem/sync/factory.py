@@ -22,7 +22,7 @@ def build_sender(
     against the manifest themselves).
     """
     sender: WeightSync
-    if cfg.transport == "inprocess":
+    if cfg.transport in ("auto", "inprocess"):  # auto outside a run: the colocated default
         if engine is None:
             raise ValueError("sync.transport='inprocess' needs the inference engine (engine=)")
         from tandem.sync.inprocess import InProcessSync

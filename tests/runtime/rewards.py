@@ -21,6 +21,12 @@ def flaky(sample: Sample) -> float:
     return even_tokens(sample)
 
 
+def slow_even_tokens(sample: Sample) -> float:
+    """`even_tokens` after 50 ms: stretches a step without using the CPU (fault-injection tests)."""
+    time.sleep(0.05)
+    return even_tokens(sample)
+
+
 def constant(sample: Sample) -> float:
     """The same reward for every sample: no group has a learning signal."""
     return 0.5

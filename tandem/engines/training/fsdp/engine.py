@@ -33,6 +33,7 @@ from tandem.engines.training.common import (
     global_loss_scale,
     make_micro_batch,
     plan_micro_batches,
+    split_for_data_parallel,
     step_metrics,
     step_skipped,
     tandem_version,
@@ -230,6 +231,10 @@ class FSDPEngine:
     def step(self) -> int:
         """Policy train steps taken (skipped ones included: the LR schedule advances on both)."""
         return self._step
+
+    def local_rows(self, batch: TrainBatch) -> list[int]:
+        """The rows of a global ``batch`` this rank works on (every row in one process)."""
+        return split_for_data_parallel(batch, self.ctx.world_size)[self.ctx.rank]
 
     def forward_logprobs(
         self, batch: TrainBatch, *, with_entropy: bool = False, model: Role = "policy"
