@@ -1,5 +1,8 @@
 """``tandem serve MODEL_OR_RECIPE [key=value ...]``: the session server in front of an inference engine.
 
+With ``runtime.placement: ray`` in the recipe it serves ``inference.replicas`` Ray actor replicas behind
+the router (least load, session affinity: every turn of a session on one replica).
+
 Serves OpenAI-compatible chat sessions with token-in-token-out bookkeeping (tandem/rollout/server.py)
 on 127.0.0.1:8000 by default. A recipe gives the model, the engine (``inference.engine``, any engine of
 the registry, a plug-in included) with its settings (``inference.<engine>``), and the agent's limits
@@ -52,14 +55,14 @@ def _engine_config(args: argparse.Namespace):
             cfg = load_config(RunConfig, args.target, args.overrides)
             entry = cfg.inference.entry
             ec = entry.configure(builders.run_facts(cfg), cfg.inference.config)
-            model_name, agent = cfg.model.name, cfg.rollout.agent
+            model_name, agent, recipe_cfg = cfg.model.name, cfg.rollout.agent, cfg
         else:
             if args.overrides:
                 raise ConfigError(f"overrides {args.overrides} need a recipe, not the model {args.target!r}")
             entry = INFERENCE_ENGINES.get(args.engine or "torch")
             model = ModelConfig(name=args.target)
             ec = entry.configure(RunFacts(model=model, max_context=_model_context(args.target)), None)
-            model_name, agent = args.target, None
+            model_name, agent, recipe_cfg = args.target, None, None
     except (Unsupported, PluginError) as e:
         raise ConfigError(str(e)) from None
     changes = {}
@@ -72,9 +75,16 @@ def _engine_config(args: argparse.Namespace):
             raise ConfigError(f"{flag} does not apply to inference.engine: {entry.name} (its config has no {name})")
         changes[name] = dataclasses.replace(ec.model, dtype=value) if name == "model" else value
     try:
-        return entry, dataclasses.replace(ec, **changes), model_name, agent
+        return entry, dataclasses.replace(ec, **changes), model_name, agent, recipe_cfg
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _replica_gpus(cfg, entry, config) -> float:
+    """GPUs per replica: ``ray.engine_gpus``, else what the engine's entry says its config needs."""
+    if cfg.ray.engine_gpus is not None:
+        return cfg.ray.engine_gpus
+    return float(entry.gpus(config)) if entry.gpus is not None else 0.0
 
 
 def _model_context(name: str) -> int:
@@ -94,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     from tandem.config import ConfigError
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    entry, ec, model_name, agent = _engine_config(args)
+    entry, ec, model_name, agent, recipe_cfg = _engine_config(args)
     template_file = args.chat_template or (agent.chat_template if agent else None)
     from tandem.rollout.server import LOOPBACK, ServerConfig
     from tandem.rollout.session import SessionConfig
@@ -119,7 +129,16 @@ def run(args: argparse.Namespace) -> int:
     from tandem.rollout.server import create_app, serve_forever
     from tandem.rollout.session import SessionStore
 
-    engine = entry.spec(ec).build()
+    cluster = None
+    if recipe_cfg is not None and recipe_cfg.runtime.placement == "ray":  # replicas behind the router
+        from tandem.runtime.ray.placement import RayPlacement
+
+        gpus = _replica_gpus(recipe_cfg, entry, ec)
+        cluster = RayPlacement(recipe_cfg, engine_gpus=gpus, with_trainer=False)
+        cluster.start(trainer_spec=None, engine_spec=entry.spec(ec))
+        engine = cluster.router
+    else:
+        engine = entry.spec(ec).build()
     template = ChatTemplate(load_tokenizer(model_name),
                             chat_template=Path(template_file).read_text() if template_file else None)
     app = create_app(SessionStore(engine, template, sessions), server_cfg)
@@ -128,5 +147,5 @@ def run(args: argparse.Namespace) -> int:
     try:
         serve_forever(app, args.host, args.port)
     finally:
-        engine.close()
+        (cluster or engine).close()
     return 0

@@ -15,6 +15,7 @@ An `EngineEntry` says everything the rest of Tandem needs to know about an engin
 * ``refuse(facts, config) -> {setting: reason}``: engine-specific settings it cannot honour;
 * ``describe(config) -> TrainerFacts`` (training): what its config implies for the inference side;
 * ``hints``: the setting that turns on a capability, quoted in contract errors;
+* ``gpus(config)``: the GPUs one instance needs (a Ray bundle's size: e.g. the tensor-parallel size);
 * ``contracts``: true-on-policy contracts (tandem.core.contracts) for pairs this engine belongs to.
 
 Built-in entries live in each adapter folder (``tandem/engines/<kind>/<name>/entry.py``) and are
@@ -158,6 +159,7 @@ class EngineEntry:
     hints: Mapping[str, str] = field(default_factory=dict)  # capability / contract setting -> how to enable it
     contracts: tuple[PairContract, ...] = ()
     install: str | None = None  # what to install when the factory's module does not import
+    gpus: Callable[[Any], float] | None = None  # GPUs one instance needs with this config (Ray bundles)
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():

@@ -38,6 +38,7 @@ __all__ = [
     "check_rollout",
     "inference_engine_spec",
     "plan_engines",
+    "ray_gpus",
     "resolve_generate",
     "run_facts",
     "training_engine_spec",
@@ -126,6 +127,16 @@ def _build(spec: EngineSpec, entry: EngineEntry):
                           f"{entry.install}") from e
 
 
+def ray_gpus(cfg: RunConfig, plan: EnginePlan) -> dict[str, float]:
+    """GPUs per trainer-rank and per replica bundle: ``ray.*_gpus``, else the engine entries' own count."""
+    def entry_gpus(entry: EngineEntry, config: Any) -> float:
+        return float(entry.gpus(config)) if entry.gpus is not None else 0.0
+
+    trainer = cfg.ray.trainer_gpus if cfg.ray.trainer_gpus is not None else entry_gpus(plan.trainer, plan.trainer_config)
+    engine = cfg.ray.engine_gpus if cfg.ray.engine_gpus is not None else entry_gpus(plan.engine, plan.engine_config)
+    return {"trainer_gpus": trainer, "engine_gpus": engine}
+
+
 def check_built(plan: EnginePlan, trainer_info: EngineInfo, engine_info: EngineInfo) -> None:
     """Refuse the run if a built engine lacks a capability the run needs (its ``info`` is authoritative)."""
     try:
@@ -163,6 +174,16 @@ def check_placement(cfg: RunConfig) -> None:
             + (", or runtime.placement: separate" if placement == "colocated" and transport in ("broadcast", "disk")
                else "")
         )
+    if placement == "ray":
+        unsupported = {  # setting -> why the ray placement cannot honour it (yet)
+            "rollout.recompute_log_probs": (cfg.rollout.recompute_log_probs,
+                                            "the router does not route score() to the replicas"),
+            "sync.quantize": (cfg.sync.quantize is not None, "the object-store sync sends full-precision weights"),
+        }
+        for name, (on, why) in unsupported.items():
+            if on:
+                raise ConfigError(f"{name} does not work with runtime.placement: ray ({why}); use runtime.placement: "
+                                  "colocated or separate")
     if placement == "separate" and cfg.sync.num_receivers != 1:
         raise ConfigError(
             f"sync.num_receivers={cfg.sync.num_receivers}: runtime.placement='separate' runs one engine process "

@@ -136,9 +136,9 @@ class RayConfig:
     layout: Literal["disaggregated", "colocated"] = "disaggregated"
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     trainer_cpus: float = 1.0
-    trainer_gpus: float = 0.0
+    trainer_gpus: float | None = None  # None: what the training engine's entry says its config needs
     engine_cpus: float = 1.0
-    engine_gpus: float = 0.0
+    engine_gpus: float | None = None  # None: from the inference engine's entry (e.g. tensor-parallel size)
     trainer_resources: dict[str, float] = field(default_factory=dict)
     engine_resources: dict[str, float] = field(default_factory=dict)
     max_replica_restarts: int = 20
@@ -149,10 +149,9 @@ class RayConfig:
         if self.trainer_ranks < 1:
             raise ValueError(f"trainer_ranks={self.trainer_ranks} must be >= 1")
         for name in ("trainer_cpus", "trainer_gpus", "engine_cpus", "engine_gpus"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if self.trainer_cpus == self.trainer_gpus == 0 and not self.trainer_resources:
-            raise ValueError("a trainer bundle needs some resource (trainer_cpus, trainer_gpus or trainer_resources)")
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ValueError(f"{name}={value} must be >= 0")
         if self.max_replica_restarts < 0:
             raise ValueError(f"max_replica_restarts={self.max_replica_restarts} must be >= 0")
         if self.torch_threads is not None and self.torch_threads < 1:

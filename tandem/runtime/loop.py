@@ -84,7 +84,7 @@ class Run:
         if cfg.runtime.placement == "ray":
             from tandem.runtime.ray.placement import RayPlacement
 
-            self.cluster = RayPlacement(cfg)
+            self.cluster = RayPlacement(cfg, **builders.ray_gpus(cfg, self.plan))
         # the engine shares the trainer's memory: it sleeps while the trainer trains
         self.shares_memory = cfg.runtime.placement == "colocated" or (
             self.cluster is not None and cfg.ray.layout == "colocated")
@@ -109,7 +109,9 @@ class Run:
         elif self.cluster is None:
             self.engine = builders.build_inference_engine(cfg, self.plan)
             self.sync = build_sender(cfg.sync, engine=self.engine)
-        builders.check_built(self.plan, self.trainer.info, self.engine.info)
+        # under ray the weight sync reaches the replicas' engines directly: check their own info
+        engine_info = self.cluster.replica_info if self.cluster is not None else self.engine.info
+        builders.check_built(self.plan, self.trainer.info, engine_info)
         self.rollouts = Rollouts(cfg, generate=self.generate_fn, engine=self.engine, tokenizer=self.tokenizer,
                                  rewards=self.rewards, data=self.data, routed_experts=self.trainer.info.routed_experts)
         self.kl_ctl = cfg.algorithm.kl_controller()

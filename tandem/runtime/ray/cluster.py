@@ -58,24 +58,27 @@ class ActorSlot:
 class Placement:
     """The run's placement group and the slot of every trainer rank and replica."""
 
-    def __init__(self, cfg: RayConfig, *, replicas: int) -> None:
+    def __init__(self, cfg: RayConfig, *, replicas: int, trainer_gpus: float, engine_gpus: float,
+                 with_trainer: bool = True) -> None:
         ray = import_ray()
         from ray.util.placement_group import placement_group
 
         self.cfg, self.replicas = cfg, replicas
-        ranks = cfg.trainer_ranks
-        trainer = _bundle(cfg.trainer_cpus, cfg.trainer_gpus, cfg.trainer_resources)
-        if cfg.layout == "colocated":
+        self.trainer_gpus = trainer_gpus
+        ranks = cfg.trainer_ranks if with_trainer else 0  # replicas only: tandem serve
+        trainer = _bundle(cfg.trainer_cpus, trainer_gpus, cfg.trainer_resources, "trainer")
+        if cfg.layout == "colocated" and ranks:
             share = max(1, -(-replicas // ranks))  # replicas per trainer bundle
             engine = {k: v / (share + 1) for k, v in trainer.items()}
             self.bundles = [dict(trainer) for _ in range(ranks)]
             self._trainer = [_slot(i, {k: v / (share + 1) for k, v in trainer.items()}) for i in range(ranks)]
             self._replicas = [_slot(i % ranks, engine) for i in range(replicas)]
         else:
-            engine = _bundle(cfg.engine_cpus, cfg.engine_gpus, cfg.engine_resources)
+            engine = _bundle(cfg.engine_cpus, engine_gpus, cfg.engine_resources, "engine")
             self.bundles = [dict(trainer) for _ in range(ranks)] + [dict(engine) for _ in range(replicas)]
             self._trainer = [_slot(i, trainer) for i in range(ranks)]
             self._replicas = [_slot(ranks + i, engine) for i in range(replicas)]
+        _check_fits(self.bundles, ray.cluster_resources(), cfg.strategy)
         self.group = placement_group(self.bundles, strategy=cfg.strategy)
         try:
             ray.get(self.group.ready(), timeout=cfg.start_timeout_s)
@@ -109,11 +112,30 @@ class Placement:
             log.debug("placement group removal: %s", e)
 
 
-def _bundle(cpus: float, gpus: float, resources: dict[str, float]) -> dict[str, float]:
+def _check_fits(bundles: list[dict[str, float]], cluster: dict[str, float], strategy: str) -> None:
+    """Fail now, not after ``start_timeout_s``, when the cluster's total resources cannot hold the bundles
+    (a cluster that autoscales would have to grow first: raise its minimum size instead)."""
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + v
+    short = {k: (v, cluster.get(k, 0.0)) for k, v in need.items() if v > cluster.get(k, 0.0) + 1e-9}
+    if short:
+        what = ", ".join(f"{k}: {v:g} needed, {have:g} in the cluster" for k, (v, have) in short.items())
+        raise RuntimeError(f"the run's bundles {bundles} (strategy {strategy}) do not fit the Ray cluster ({what}); "
+                           "lower ray.trainer_cpus / ray.engine_cpus (they are Ray's logical CPUs), "
+                           "ray.trainer_ranks or inference.replicas, or add nodes")
+
+
+def _bundle(cpus: float, gpus: float, resources: dict[str, float], kind: str) -> dict[str, float]:
     out = {"CPU": float(cpus)} if cpus else {}
     if gpus:
         out["GPU"] = float(gpus)
-    return out | {k: float(v) for k, v in resources.items()}
+    out |= {k: float(v) for k, v in resources.items()}
+    if not any(out.values()):
+        raise ValueError(f"a {kind} bundle needs some resource: set ray.{kind}_cpus, ray.{kind}_gpus or "
+                         f"ray.{kind}_resources above 0")
+    return out
 
 
 def _slot(bundle: int, request: dict[str, float]) -> ActorSlot:

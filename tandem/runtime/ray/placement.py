@@ -33,8 +33,10 @@ log = logging.getLogger(__name__)
 class RayPlacement:
     """The run's Ray actors: ``trainer`` (a `RayTrainerGroup`) and ``router`` (the replicas)."""
 
-    def __init__(self, cfg: RunConfig) -> None:
-        """Join (or start) Ray and place the run's bundles; `start` then starts the actors."""
+    def __init__(self, cfg: RunConfig, *, trainer_gpus: float = 0.0, engine_gpus: float = 0.0,
+                 with_trainer: bool = True) -> None:
+        """Join (or start) Ray and place the run's bundles (GPU counts: ``ray.*_gpus``, else what the
+        engines' entries say their configs need); `start` then starts the actors."""
         self.ray = import_ray()
         self.cfg = cfg
         self.started = connect(cfg.ray)
@@ -44,15 +46,18 @@ class RayPlacement:
         self.router: Any = None
         self.clients: list[RayReplicaClient] = []
         self.published: Published | None = None
+        self.replica_info = None
         self.trainer_restarts = 0
         try:
-            self.placement = Placement(cfg.ray, replicas=cfg.inference.replicas)
+            self.placement = Placement(cfg.ray, replicas=cfg.inference.replicas, trainer_gpus=trainer_gpus,
+                                       engine_gpus=engine_gpus, with_trainer=with_trainer)
         except BaseException:
             self.close()
             raise
 
-    def start(self, *, trainer_spec: EngineSpec, engine_spec: EngineSpec) -> None:
-        """The replicas (loading the model) and, meanwhile, the trainer group; then the router."""
+    def start(self, *, trainer_spec: EngineSpec | None, engine_spec: EngineSpec) -> None:
+        """The replicas (loading the model) and, meanwhile, the trainer group (none: replicas only, for
+        ``tandem serve``); then the router."""
         from tandem.runtime.router import Router, RouterConfig
 
         cfg = self.cfg
@@ -65,8 +70,10 @@ class RayPlacement:
                 handles.append(replica.options(**self.placement.options(slot)).remote(
                     engine_spec, i, actor_threads(cfg.ray, slot)))
             self.clients = [RayReplicaClient(h, f"replica{i}") for i, h in enumerate(handles)]
-            self.trainer = RayTrainerGroup(trainer_spec, self.placement, cfg.ray)  # while the replicas load
+            if trainer_spec is not None:  # while the replicas load
+                self.trainer = RayTrainerGroup(trainer_spec, self.placement, cfg.ray)
             infos = self.ray.get([h.info.remote() for h in handles], timeout=cfg.ray.start_timeout_s)
+            self.replica_info = infos[0]  # the engine's own (weight capabilities: the sync reaches it directly)
             self.router = Router(self.clients, info=infos[0], config=RouterConfig(), resync=self._resync)
         except BaseException:
             self.close()

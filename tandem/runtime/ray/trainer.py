@@ -127,7 +127,7 @@ class RayTrainerGroup:
             slot = placement.trainer_slot(rank)
             self.actors.append(actor.options(**placement.options(slot)).remote(
                 spec, rank, self.world, actor_threads(cfg, slot)))
-        cuda = cfg.trainer_gpus > 0
+        cuda = placement.trainer_gpus > 0
         init = None
         if self.world > 1:
             host, port = self._get(self.actors[0].address.remote(), what="rendezvous address")

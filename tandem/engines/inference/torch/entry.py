@@ -31,4 +31,5 @@ ENTRY = EngineEntry(
     # routed experts for MoE models only, and LoRA adapters are served merged (sync.lora_mode: merged)
     capabilities=frozenset({"can_sleep", "can_score", "routed_experts", "exposes_weights", "partial_updates"}),
     hints={"engine_deterministic": "inference.torch.deterministic: true"},
+    gpus=lambda config: 1.0 if config.device == "cuda" else 0.0,
 )

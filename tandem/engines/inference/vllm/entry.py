@@ -24,6 +24,12 @@ def fill(facts: RunFacts, config: Any):
     return dataclasses.replace(ec, **changes)
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 ENTRY = EngineEntry(
     name="vllm",
     kind="inference",
@@ -36,4 +42,7 @@ ENTRY = EngineEntry(
              "partial_updates": "vLLM reloads whole layers, so it needs full updates",
              "exposes_weights": "vLLM repacks its weights; they are not readable by HF name"},
     install="pip install 'tandem-rl[vllm]' (CPU: scripts/install_vllm.sh builds a separate venv)",
+    # one GPU per tensor-parallel rank where vLLM runs on CUDA (on CPU the bundle asks for none: set
+    # ray.engine_gpus explicitly for a GPU cluster)
+    gpus=lambda config: float(config.engine_kwargs.get("tensor_parallel_size", 1)) if _cuda() else 0.0,
 )

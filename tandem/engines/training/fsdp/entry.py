@@ -35,6 +35,12 @@ def describe(config: Any) -> TrainerFacts:
                         lora_alpha=lora.alpha if lora else None)
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 ENTRY = EngineEntry(
     name="fsdp",
     kind="training",
@@ -43,6 +49,7 @@ ENTRY = EngineEntry(
     fill=fill,
     describe=describe,
     capabilities=frozenset({"can_sleep", "routed_experts", "lora_adapters", "critic", "ref"}),
+    gpus=lambda config: 1.0 if config.device == "cuda" or (config.device == "auto" and _cuda()) else 0.0,
     hints={
         "trainer_deterministic": "trainer.fsdp.deterministic: true",
         "same_temperature": "trainer.fsdp.temperature equal to rollout.sampling.temperature",
