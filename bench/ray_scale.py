@@ -13,6 +13,8 @@ torch thread per actor), baseline and Tandem alternated over ``--repeats`` repea
 * ``async_speedup_disaggregated``: a GRPO loop, trainer rank on one CPU and one replica on the other:
   median step time of ``sync`` / ``one_step_off``, divided by the ideal (rollout + train) / max(rollout,
   train) measured in the sync run. Aim >= 0.9.
+* ``sync_scaling_2_replicas``: weight sync seconds with 2 replicas / with 1 (one publish to the object
+  store, every replica fetches it: sub-linear means < 2).
 * ``recovery_s``: a replica killed mid-run -> back in rotation at the run's weight version (measured by
   polling the router); ``samples_lost``: samples that came back failed or aborted (or steps that never
   ran). Aim 0.
@@ -166,7 +168,7 @@ def loop_config(mode: str, steps: int, extra: list[str]) -> RunConfig:
 def async_benchmark(args) -> dict[str, float]:
     """Disaggregated: trainer rank and replica each on one CPU; sync vs one-step-off step time."""
     results = {"sync": [], "one_step_off": []}
-    phases = []
+    phases, sync_s = [], []
     for rep in range(args.repeats):
         for mode in ("sync", "one_step_off"):
             run_dir = tempfile.mkdtemp()
@@ -177,6 +179,7 @@ def async_benchmark(args) -> dict[str, float]:
             if mode == "sync":
                 rollout = statistics.median(r["time/generate_s"] + r["time/reward_s"] for r in rows)
                 phases.append((rollout, step - rollout))
+                sync_s += [r["sync/seconds"] for r in rows]
             print(f"repeat {rep} {mode}: median step {step:.2f} s", flush=True)
     speedups = [s / o for s, o in zip(results["sync"], results["one_step_off"], strict=True)]
     ideals = [(r + t) / max(r, t) for r, t in phases]
@@ -186,7 +189,9 @@ def async_benchmark(args) -> dict[str, float]:
     print("rollout / train (sync):", [f"{r:.2f}/{t:.2f}" for r, t in phases])
     print("speedup:", spread(speedups), "ideal:", spread(ideals))
     print("async_speedup_disaggregated:", spread(ratio))
-    return {"async_speedup_disaggregated": statistics.median(ratio), "async_speedup": statistics.median(speedups),
+    print("weight sync, 1 replica:", spread(sync_s))
+    return {"sync_s_1_replica": statistics.median(sync_s),
+            "async_speedup_disaggregated": statistics.median(ratio), "async_speedup": statistics.median(speedups),
             "async_ideal": statistics.median(ideals), "sync_step_s": statistics.median(results["sync"]),
             "one_step_off_step_s": statistics.median(results["one_step_off"])}
 
@@ -228,9 +233,12 @@ def recovery_benchmark(args) -> dict[str, float]:
     # every sample the run asked for came back generated: none failed or aborted (a replica's death
     # re-queues its requests), and every step ran
     lost = sum(r["rollout/failed"] + r["rollout/aborted"] for r in rows)
+    sync_s = [r["sync/seconds"] for r in rows[1:] if r.get("sync/replicas") == 2]
+    print("weight sync, 2 replicas:", spread(sync_s) if sync_s else "no sync reached both")
     print("recovery_s:", spread(recoveries) if recoveries else "no kill completed",
           f"| steps {len(rows)} of {steps}, samples {sum(r['rollout/samples'] for r in rows):.0f}, lost {lost:.0f}")
-    return {"recovery_s": statistics.median(recoveries) if recoveries else float("nan"),
+    return {"sync_s_2_replicas": statistics.median(sync_s) if sync_s else float("nan"),
+            "recovery_s": statistics.median(recoveries) if recoveries else float("nan"),
             "samples_lost": float(lost + (steps - len(rows)) * 16), "kills": float(len(recoveries))}
 
 
@@ -256,6 +264,8 @@ def main() -> None:
         result["replica_scaling_of_ceiling"] = result["replica_scaling"] / result["bandwidth_ceiling"]
         result |= async_benchmark(args)
         result |= recovery_benchmark(args)
+        # one publish, N fetches: the sync of 2 replicas / of 1 (1 would be free, 2 two sends)
+        result["sync_scaling_2_replicas"] = result["sync_s_2_replicas"] / result["sync_s_1_replica"]
     finally:
         ray.shutdown()
     print("RESULT " + json.dumps({k: round(v, 4) for k, v in result.items()}))

@@ -4,8 +4,9 @@ Each command lives in ``tandem/commands/<name>.py`` with ``configure(parser)`` a
 Command modules import only the standard library at the top, so ``tandem --help`` stays fast and
 imports no engine; heavy imports happen inside ``run``.
 
-Configuration errors (bad recipe, unknown key, bad value, missing file, bad plugin path) print one
-line, ``tandem: error: ...``, and exit with code 2; no traceback.
+Configuration errors (bad recipe, unknown key, bad value, missing file, bad plugin path, bad data)
+print one line, ``tandem: error: ...``, and exit with code 2; no traceback unless ``--debug`` (before
+or after the command), which prints the traceback first.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 
 # name -> one-line help. Commands are added by the issues that build them.
 COMMANDS: dict[str, str] = {
@@ -34,10 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tandem: PyTorch-native RL post-training for LLMs.",
     )
     parser.add_argument("--version", action="version", version=f"tandem {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error")
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     for name, help_text in COMMANDS.items():
         mod = importlib.import_module(f"tandem.commands.{name.replace('-', '_')}")
         p = sub.add_parser(name, help=help_text, description=help_text)
+        # SUPPRESS: the command's parser sets debug only when given, so 'tandem --debug CMD' holds too
+        p.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                       help="show the traceback of an error")
         mod.configure(p)
         p.set_defaults(_module=mod)
     return parser
@@ -48,9 +54,16 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from tandem.plugins import PluginError
 
     errors: list[type[BaseException]] = [ConfigError, PluginError]
-    if "tandem.models.registry" in sys.modules:
-        errors.append(sys.modules["tandem.models.registry"].ModelNotFoundError)
+    # start-up refusals of modules the command imported (looked up, not imported: `--help` stays light)
+    for module, name in (("tandem.models.registry", "ModelNotFoundError"), ("tandem.core.contracts", "ContractError"),
+                         ("tandem.engines.registry", "Unsupported")):
+        if module in sys.modules:
+            errors.append(getattr(sys.modules[module], name))
     return tuple(errors)
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -62,7 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._module.run(args) or 0)
     except _user_errors() as e:
-        print(f"tandem: error: {e}", file=sys.stderr)
+        if getattr(args, "debug", False):
+            traceback.print_exc()
+        print(f"tandem: error: {_one_line(e)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("tandem: interrupted", file=sys.stderr)

@@ -205,12 +205,52 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return data
 
 
+def _check_duplicate_keys(node: yaml.Node, path: str, where: Path, seen_nodes: set[int]) -> None:
+    """Raise `ConfigError` for a mapping that names a key twice (YAML would keep the last one silently)."""
+    if id(node) in seen_nodes:  # an alias of a node already checked (or a recursive one)
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        first: dict[str, int] = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # '<<: *anchor' merges, it does not repeat
+                _check_duplicate_keys(value_node, path, where, seen_nodes)
+                continue
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+            line = key_node.start_mark.line + 1
+            if key in first:
+                raise ConfigError(
+                    f"{where}: duplicate key '{_key(path, key)}' at line {line} (first at line {first[key]}); "
+                    "YAML would keep only the last one"
+                )
+            first[key] = line
+            _check_duplicate_keys(value_node, _key(path, key), where, seen_nodes)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_duplicate_keys(item, f"{path}[{i}]", where, seen_nodes)
+
+
+def _load_yaml_strict(text: str, where: Path) -> Any:
+    """``yaml.safe_load`` that refuses duplicate mapping keys."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_duplicate_keys(node, "", where, set())
+        return loader.construct_document(node)
+    finally:
+        loader.dispose()
+
+
 def read_yaml(path: str | Path) -> dict[str, Any]:
+    """The recipe at ``path`` as a dict; a missing file, invalid YAML, a duplicate key or a top level
+    that is not a mapping raise `ConfigError` (with the line where YAML knows it)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"recipe file not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text()) or {}
+        data = _load_yaml_strict(p.read_text(), p) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

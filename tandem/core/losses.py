@@ -516,7 +516,9 @@ class ValueLoss:
         err = (pred - returns).square()
         metrics: dict[str, torch.Tensor] = {}
         if self.cfg.clip is not None:
-            clipped = old + (pred - old).clamp(-self.cfg.clip, self.cfg.clip)
+            # min/max against the band's edges, not old + clamp(pred - old): that sum can differ from
+            # an unclipped pred by one ulp, and clip_frac then counted tokens that were never clipped
+            clipped = torch.maximum(torch.minimum(pred, old + self.cfg.clip), old - self.cfg.clip)
             err_clipped = (clipped - returns).square()
             metrics["value/clip_frac"] = _token_share((err_clipped > err).detach(), mask, scale)
             err = torch.maximum(err, err_clipped)

@@ -106,18 +106,17 @@ def correction_tensors(
 ) -> tuple[torch.Tensor, ...]:
     """`offpolicy_weights` as a plain tuple (the fields of `OffPolicyWeights`, in order), for compiled code."""
     with torch.no_grad():
-        log_ratio = (train_log_probs.detach() - rollout_log_probs).clamp(
-            -cfg.log_ratio_clamp, cfg.log_ratio_clamp
-        )
-        log_ratio = log_ratio * mask
+        # off the mask the log-probs may be anything (padding): zeroed before they are summed
+        log_ratio = torch.where(mask > 0, train_log_probs.detach() - rollout_log_probs, 0.0) * mask
         if cfg.level == "token":
             unit_log_ratio = log_ratio
         else:
+            # the clamp applies to the unit's log ratio (the sum or mean), never to its terms: clamped
+            # terms [25, -23] -> [20, -20] would sum to 0 (ratio 1) instead of 2 (ratio 7.4)
             unit_log_ratio = log_ratio.sum(-1, keepdim=True)
             if cfg.level == "geometric":
                 unit_log_ratio = unit_log_ratio / mask.sum(-1, keepdim=True).clamp(min=1)
-            unit_log_ratio = unit_log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp)
-        ratio = torch.exp(unit_log_ratio)
+        ratio = torch.exp(unit_log_ratio.clamp(-cfg.log_ratio_clamp, cfg.log_ratio_clamp))
         if cfg.mode == "tis":
             weight = ratio.clamp(cfg.tis_floor, cfg.tis_cap)
             truncated = (ratio > cfg.tis_cap) | (ratio < cfg.tis_floor)

@@ -8,7 +8,10 @@ A user reward is ``module.path:function``, imported and checked at start-up. It 
 a list of them); it may be ``async``. **It runs user code in the Tandem process.**
 
 Failure policy: a term that raises, times out or returns NaN/Inf marks its sample FAILED (the reason
-goes to ``sample.metadata["reward_error"]``), is counted in the metrics, and never stops the run. A
+goes to ``sample.metadata["reward_error"]``), is counted in the metrics (the loop logs ``reward/errors``
+per step) and in `RewardHub.error_counts` by message, is logged (at WARNING the first time a message
+occurs, then at DEBUG), and never stops a step (the loop's ``runtime.max_skipped_steps`` stops a run
+whose steps are all skipped). A
 timed-out thread cannot be killed: the hub abandons it (it finishes, or hangs, in the background) and
 continues on a fresh pool, so one hung reward never starves the later ones.
 """
@@ -16,9 +19,12 @@ continues on a fresh pool, so one hung reward never starves the later ones.
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures as cf
 import inspect
+import logging
 import math
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +36,8 @@ from tandem.rewards.builtin import BUILTINS
 from tandem.rewards.remote import remote
 
 __all__ = ["RewardConfig", "RewardHub", "RewardTermConfig", "builtin_names"]
+
+log = logging.getLogger(__name__)
 
 _FACTORIES: dict[str, Callable[..., Callable[[Sample], Any]]] = {**BUILTINS, "remote": remote}
 
@@ -125,6 +133,17 @@ class RewardHub:
         self.cfg = cfg
         self.terms = [_Term(t) for t in cfg.terms]  # imports and checks plugins now, not mid-run
         self._pool = self._new_pool()
+        self.error_counts: collections.Counter[str] = collections.Counter()  # message -> failed samples
+        self._errors_lock = threading.Lock()
+
+    def _record_errors(self, failed: dict[int, str]) -> None:
+        for message, n in collections.Counter(failed.values()).items():
+            with self._errors_lock:
+                first = message not in self.error_counts
+                self.error_counts[message] += n
+                total = self.error_counts[message]
+            log.log(logging.WARNING if first else logging.DEBUG, "reward error on %d sample(s) (%d so far): %s",
+                    n, total, message)
 
     def _new_pool(self) -> cf.ThreadPoolExecutor:
         return cf.ThreadPoolExecutor(max_workers=self.cfg.num_workers, thread_name_prefix="tandem-reward")
@@ -165,6 +184,7 @@ class RewardHub:
                 except Exception as e:  # noqa: BLE001 - a reward bug fails its samples, not the run
                     for i in rows:
                         failed[i] = f"reward {term.cfg.name!r} raised {type(e).__name__}: {e}"
+        self._record_errors(failed)
         for i, s in enumerate(samples):
             if i in failed:
                 s.status = SampleStatus.FAILED

@@ -13,7 +13,9 @@ server's TITO record, never a re-tokenization:
 * ``agentic_tool_call``: the episode is user code, ``agent.function`` =
   ``module:function(base_url, prompt, metadata) -> reward | result``. It talks to an in-process session
   server on 127.0.0.1 with any OpenAI client (``OpenAI(base_url=base_url, api_key="tandem")``), one
-  session per episode. A plain function runs in a worker thread; an ``async def`` runs on the event loop.
+  session per episode. The server needs a key made for this rollout (``secrets.token_urlsafe``), which
+  ``base_url`` carries (``http://127.0.0.1:<port>/key/<key>/sessions/<id>/v1``), so whatever ``api_key``
+  the client sends, only code given a base URL reaches the server: not another process or user. A plain function runs in a worker thread; an ``async def`` runs on the event loop.
   ``metadata`` holds the record's metadata plus ``label``, ``prompt_index``, ``sample_index``.
   What it returns: a number (or a bool) is the reward, kept in ``metadata["agent_reward"]`` for the
   reward term ``tandem.rollout.agent:agent_reward``; a string is the final answer (``sample.response``)
@@ -45,6 +47,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import secrets
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -220,15 +223,17 @@ class _Runner:
         self._gate: asyncio.Semaphore | None = None
 
     async def __aenter__(self) -> _Runner:
-        from tandem.rollout.server import RunningServer, ServerConfig, create_app
+        from tandem.rollout.server import KEY_PREFIX, RunningServer, ServerConfig, create_app
 
         self.pool = cf.ThreadPoolExecutor(max_workers=self.agent.max_concurrency, thread_name_prefix="tandem-agent")
         self._gate = asyncio.Semaphore(self.agent.max_concurrency)
         if self.http:
-            app = create_app(self.store, ServerConfig(model_name="policy", sessions=self.store.config))
+            key = secrets.token_urlsafe(32)  # local processes reach 127.0.0.1 too: the server needs a key
+            app = create_app(self.store, ServerConfig(model_name="policy", sessions=self.store.config,
+                                                      api_key=key, key_in_path=True))
             self._server = RunningServer(app)
             try:
-                self.base_url = (await self._server.__aenter__()).base_url
+                self.base_url = f"{(await self._server.__aenter__()).base_url}{KEY_PREFIX}{key}"
             except BaseException:
                 self.pool.shutdown(wait=False, cancel_futures=True)
                 raise

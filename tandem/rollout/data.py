@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from tandem.config import ConfigError
 from tandem.rollout.tasks import ArithmeticTaskConfig, arithmetic_records
 
 __all__ = ["DataConfig", "DataError", "DataSource", "PromptRecord"]
@@ -26,8 +27,11 @@ __all__ = ["DataConfig", "DataError", "DataSource", "PromptRecord"]
 log = logging.getLogger(__name__)
 
 
-class DataError(ValueError):
-    """A data problem that stops loading (missing file, no usable record, bad line with bad_line=fail)."""
+class DataError(ConfigError):
+    """A data problem that stops loading (missing file, no usable record, bad line with bad_line=fail).
+
+    A `ConfigError` (so a ValueError): the CLI reports it in one line with exit code 2, like a bad key.
+    """
 
 
 @dataclass(kw_only=True, slots=True)
@@ -94,6 +98,8 @@ def _load_rows(cfg: DataConfig, stats: dict[str, int]) -> list[dict[str, Any]]:
             import datasets
         except ImportError:
             raise DataError(f"{src}: reading HF datasets needs `pip install tandem-rl[data]`") from None
+        if not Path(src[3:]).is_dir():
+            raise DataError(f"data.source: dataset folder not found: {src[3:]}")
         ds = datasets.load_from_disk(src[3:])
         if isinstance(ds, datasets.DatasetDict):
             if cfg.split not in ds:
@@ -102,7 +108,7 @@ def _load_rows(cfg: DataConfig, stats: dict[str, int]) -> list[dict[str, Any]]:
         return [dict(r) for r in ds]
     path = Path(src)
     if not path.is_file():
-        raise DataError(f"data file not found: {path}")
+        raise DataError(f"data.source: data file not found: {path}")
     if path.suffix == ".jsonl":
         return _read_jsonl(path, cfg.bad_line, stats)
     if path.suffix == ".parquet":

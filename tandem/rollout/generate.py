@@ -12,13 +12,18 @@ checkpoint samples exactly what the uninterrupted run sampled.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tandem.core.protocols import Completion, FinishReason, GenerationRequest, SamplingParams
 from tandem.core.sample import Sample, SampleStatus
 from tandem.rollout.data import PromptRecord
 
-__all__ = ["SamplingConfig", "completion_to_sample", "request_seed", "single_turn"]
+__all__ = ["MAX_NEW_TOKENS", "SamplingConfig", "completion_to_sample", "request_seed", "single_turn"]
+
+# A sanity bound, not a model's limit: a typo such as 1000000000 fails the recipe instead of sizing
+# buffers for it (the run's context is min(max_prompt_tokens + max_new_tokens, the model's context)).
+MAX_NEW_TOKENS = 1_000_000
 
 _STATUS = {
     FinishReason.STOP: SampleStatus.COMPLETED,
@@ -39,6 +44,15 @@ class SamplingConfig:
     stop_token_ids: list[int] = field(default_factory=list)  # the tokenizer's eos is always added
 
     def __post_init__(self) -> None:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int):
+            raise ValueError(f"max_new_tokens={self.max_new_tokens!r} must be an integer")
+        if self.max_new_tokens > MAX_NEW_TOKENS:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens} is above the limit of {MAX_NEW_TOKENS} "
+                             "tokens per response (the model's context caps it lower still)")
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature={self.temperature} must be a finite number")
+        if self.top_k < 0:
+            raise ValueError(f"top_k={self.top_k} must be >= 0 (0: no top-k)")
         SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                        max_new_tokens=self.max_new_tokens).validate()
 

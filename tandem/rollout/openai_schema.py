@@ -6,10 +6,15 @@ server does not support are rejected by name rather than ignored (``stop`` strin
 OpenAI clients send some (``stream_options``, ``user``, ...). Extensions: ``top_k``, ``ignore_eos``
 (generate exactly ``max_tokens`` tokens, as vLLM's) and ``return_token_ids`` (the turn's token ids in
 the response).
+
+Numbers are bounded: floats must be finite (``NaN``, ``Infinity`` and overflowing literals such as
+``1e999`` are refused, in the sampling fields and inside ``metadata`` and tool ``parameters``, which
+the server echoes back as JSON), and integers that reach the engine stay within int32.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -25,10 +30,27 @@ __all__ = [
 ]
 
 MAX_SEED = 2**63 - 1
+MAX_INT32 = 2**31 - 1  # token counts and top-k: what any engine's kernels take
+MAX_JSON_DEPTH = 64
 # Below these, float32 sampling degenerates (logits / T overflows; top-p keeps no token): the engine
 # fails the step. Rejected here with a 422 instead.
 MIN_TEMPERATURE = 1e-4
 MIN_TOP_P = 1e-6
+
+
+def finite_json(value: Any, *, depth: int = 0) -> Any:
+    """``value`` (parsed JSON) unchanged, or ValueError for a non-finite float or nesting deeper than 64."""
+    if depth > MAX_JSON_DEPTH:
+        raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{value} is not a finite number (JSON has no NaN or Infinity)")
+    if isinstance(value, dict):
+        for v in value.values():
+            finite_json(v, depth=depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            finite_json(v, depth=depth + 1)
+    return value
 
 
 class FunctionCall(BaseModel):
@@ -65,6 +87,11 @@ class FunctionDefinition(BaseModel):
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _finite_parameters(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        return finite_json(v)
+
 
 class ToolDefinition(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -78,16 +105,16 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["auto", "none"] | None = None
     temperature: float | None = Field(default=None, ge=0, le=100, description="0 (greedy) or in [1e-4, 100]")
     top_p: float | None = Field(default=None, ge=MIN_TOP_P, le=1)
-    top_k: int | None = Field(default=None, ge=0)
-    max_tokens: int | None = Field(default=None, ge=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    top_k: int | None = Field(default=None, ge=0, le=MAX_INT32)
+    max_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=MAX_INT32)
     n: int | None = Field(default=None, ge=1, le=1, description="only 1 is supported (one trajectory per session)")
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     stream: bool = False
@@ -118,7 +145,12 @@ class ChatCompletionRequest(BaseModel):
 class CreateSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
     metadata: dict[str, Any] = Field(default_factory=dict)
-    max_turns: int | None = Field(default=None, ge=1)
+    max_turns: int | None = Field(default=None, ge=1, le=MAX_INT32)
+
+    @field_validator("metadata")
+    @classmethod
+    def _finite_metadata(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return finite_json(v)
 
 
 class SessionCreated(BaseModel):

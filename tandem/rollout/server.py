@@ -17,7 +17,11 @@ Errors use OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``: u
 body that does not validate 422 (``param`` names the field), history that does not extend the session
 409, token drift 409 (``info`` holds the first differing position), too many sessions 429, a request
 larger than ``max_request_bytes`` 413, missing or wrong bearer token 401, engine failure 503 with the
-session unchanged (retry the same request).
+session unchanged (retry the same request). No input gives a 5xx other than the engine's 503: error
+bodies never fail to encode what they echo (``SafeJSONResponse``).
+
+With ``key_in_path`` every endpoint is also served under ``/key/<api_key>/`` (`KeyInPath`): the URLs
+that the training run's agent runner hands to agents carry its per-run key.
 
 The engine is driven by the event loop that serves the requests (``agenerate``); run the server in the
 thread that should do the engine's work (`serve_forever` in the main thread; `RunningServer` inside an
@@ -31,6 +35,8 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
+import re
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -67,6 +73,8 @@ from tandem.rollout.tito import HistoryMismatchError, TokenDriftError
 __all__ = ["RunningServer", "ServerConfig", "create_app", "serve_forever"]
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+KEY_PREFIX = "/key/"
+_URL_SAFE = re.compile(r"[A-Za-z0-9_-]+")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,6 +84,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # when set, every endpoint but /health needs "Authorization: Bearer <key>"
+    # with api_key: /key/<api_key>/... also serves every endpoint, authenticated by its path (the agent
+    # runner's base URLs: any OpenAI client works unchanged, whatever api_key it sends)
+    key_in_path: bool = False
     max_request_bytes: int = 4 << 20
     model_name: str = "tandem"  # the "model" field of responses
     sessions: SessionConfig = field(default_factory=SessionConfig)
@@ -87,6 +98,8 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes={self.max_request_bytes} must be >= 1024")
         if self.api_key is not None and not self.api_key:
             raise ValueError("api_key must not be empty (leave it unset for no authentication)")
+        if self.key_in_path and (self.api_key is None or not _URL_SAFE.fullmatch(self.api_key)):
+            raise ValueError("key_in_path needs an api_key of URL-safe characters (A-Z a-z 0-9 - _)")
 
 
 class ApiError(Exception):
@@ -97,13 +110,55 @@ class ApiError(Exception):
         self.headers = headers
 
 
+def _json_safe(value: Any) -> Any:
+    """``value`` with non-finite floats as strings. JSON cannot encode them, and a response may hold one
+    (a 422 echoing a client's ``NaN``, an engine's ``-inf`` log-prob): it would become a 500 instead."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+class SafeJSONResponse(JSONResponse):
+    """Every response of the app: JSON with non-finite floats written as strings, never a 500 from encoding."""
+
+    def render(self, content: Any) -> bytes:
+        return super().render(_json_safe(content))
+
+
 def _error_response(status: int, message: str, *, kind: str, param: str | None = None,
                     info: dict[str, Any] | None = None, headers: dict[str, str] | None = None,
                     extra: dict[str, Any] | None = None) -> JSONResponse:
     body: dict[str, Any] = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     if info:
         body["error"]["info"] = jsonable_encoder(info)
-    return JSONResponse(body | (extra or {}), status_code=status, headers=headers)
+    return SafeJSONResponse(body | (extra or {}), status_code=status, headers=headers)
+
+
+class KeyInPath:
+    """ASGI middleware: ``/key/<api_key>/<path>`` is ``/<path>`` with the bearer token ``<api_key>``.
+
+    A capability URL: whoever was given the base URL may use it, with any client and any api_key of its
+    own; the prefix becomes the request's ``root_path``, so URLs the server returns keep it. A wrong key
+    is a 401 (compared in constant time).
+    """
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(KEY_PREFIX):
+            given = scope["path"][len(KEY_PREFIX):].partition("/")[0]
+            if not hmac.compare_digest(given.encode(), self.key):
+                response = _error_response(401, "wrong key in the URL", kind="authentication_error")
+                return await response(scope, receive, send)
+            headers = [(k, v) for k, v in scope.get("headers", []) if k.lower() != b"authorization"]
+            scope = {**scope, "headers": [*headers, (b"authorization", b"Bearer " + self.key)],
+                     "root_path": scope.get("root_path", "") + KEY_PREFIX + given}
+        await self.app(scope, receive, send)
 
 
 class BodySizeLimit:
@@ -153,7 +208,7 @@ class BodySizeLimit:
 def create_app(store: SessionStore, config: ServerConfig | None = None) -> FastAPI:
     """The FastAPI app serving ``store`` (see the module docstring)."""
     config = config or ServerConfig()
-    app = FastAPI(title="Tandem session server", version="1",
+    app = FastAPI(title="Tandem session server", version="1", default_response_class=SafeJSONResponse,
                   description="Token-in-token-out chat sessions for agentic RL rollouts.")
     bearer = HTTPBearer(auto_error=False)
 
@@ -228,11 +283,13 @@ def create_app(store: SessionStore, config: ServerConfig | None = None) -> FastA
         outcome = await _run_turn(store, session, turn)
         payload = _completion(store, session.id, outcome, body, config.model_name)
         if body.stream:
-            return StreamingResponse(_sse(payload, include_usage=_include_usage(body)),
+            return StreamingResponse(_sse(_json_safe(payload), include_usage=_include_usage(body)),
                                      media_type="text/event-stream")
-        return JSONResponse(payload)
+        return SafeJSONResponse(payload)
 
     app.add_middleware(BodySizeLimit, limit=config.max_request_bytes)
+    if config.key_in_path:
+        app.add_middleware(KeyInPath, key=config.api_key)
     return app
 
 

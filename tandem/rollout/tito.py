@@ -10,6 +10,9 @@ messages add:
     delta    = rendered[len(stored text):]          # stored text = decode of the stored ids
     ids     += encode(delta)                        # loss mask 0
 
+Special-token strings that client text (user, tool, system messages, tools) holds are tokenized as
+plain text (`ChatTemplate.render_marked`), so a message cannot fake a turn of the template.
+
 Checks, at every turn, before anything is appended (a `TokenDriftError` names the first differing
 token position and character; nothing is changed):
 
@@ -44,7 +47,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tandem.rollout.chat import ChatTemplate, message_text
+from tandem.rollout.chat import ChatTemplate, Rendered, message_text
 from tandem.rollout.tools import parse_tool_calls
 
 __all__ = [
@@ -197,10 +200,11 @@ class Trajectory:
             tail_ids=[], tail_log_probs=[], tail_text="", tools=self.tools,
         )
         self.messages.extend(new)
-        rendered = template.render(self.messages, self.tools, add_generation_prompt=True)
+        marked = template.render_marked(self.messages, self.tools, add_generation_prompt=True)
+        rendered = marked.text
         self._trim_to_prefix_of(rendered, template, checkpoint)
         delta = rendered[len(self.text):]
-        delta_ids = template.encode(delta)
+        delta_ids = template.encode(delta, marked.literal_from(len(self.text)))  # client text stays text
         start, char_start = len(self.ids), len(self.text)
         self.ids += delta_ids
         self.log_probs += [None] * len(delta_ids)
@@ -209,7 +213,7 @@ class Trajectory:
         self._pending = checkpoint
         self.stats["checks"] += 1
         if self.verify_tokens:
-            self._check_tokens(rendered, template)
+            self._check_tokens(marked, template)
         return len(new), retried
 
     def _trim_to_prefix_of(self, rendered: str, template: ChatTemplate, checkpoint: _Checkpoint) -> None:
@@ -258,11 +262,11 @@ class Trajectory:
                 lo = mid + 1
         return lo
 
-    def _check_tokens(self, rendered: str, template: ChatTemplate) -> None:
+    def _check_tokens(self, rendered: Rendered, template: ChatTemplate) -> None:
         """The ids just appended must be how a fresh tokenization of the whole render ends, from a token
         boundary at the same character. Earlier spans were checked when they were appended, and the text
         check guarantees their text has not changed since."""
-        fresh = template.encode(rendered)
+        fresh = template.encode(rendered.text, rendered.literal)
         if fresh == self.ids:
             return
         env = self.spans[-1]

@@ -113,6 +113,16 @@ class _Producer(threading.Thread):
                 await asyncio.sleep(0.05)
 
 
+def _next_group(groups: queue.Queue, run: Run):
+    """The next finished group; waits in slices so the watchdog or a stop signal can end the wait (groups
+    that never come, e.g. from a generate function that hangs, would otherwise be waited for forever)."""
+    while True:
+        try:
+            return groups.get(timeout=0.2)
+        except queue.Empty:
+            run.poll_stop()
+
+
 def train_fully_async(run: Run) -> None:
     cfg = run.cfg
     groups: queue.Queue = queue.Queue(maxsize=cfg.runtime.queue_groups)
@@ -122,14 +132,14 @@ def train_fully_async(run: Run) -> None:
     try:
         for step in range(run.step, cfg.run.steps):
             t0 = time.perf_counter()
-            run.progress.phase(step, "wait for rollouts")
+            run.phase(step, "wait for rollouts")
             batch: list[Sample] = []
             every: list[Sample] = []
             extra: dict[str, float] = {}
             dropped_stale = taken = 0
             tokens_before, regenerated_before = producer.generated_tokens, producer.regenerated
             while len({s.group_index for s in batch}) < cfg.rollout.prompts_per_step and taken < budget:
-                item = groups.get()
+                item = _next_group(groups, run)
                 if item is _STOP:
                     raise RuntimeError(f"the rollout producer failed: {producer.error}") from producer.error
                 record, samples, group_metrics = item
@@ -150,6 +160,7 @@ def train_fully_async(run: Run) -> None:
                 s.index = i
             wait_s = time.perf_counter() - t0
             metrics = rollout_metrics(every, seconds=wait_s) | episode_metrics(every) | Rollouts.finish_metrics(extra)
+            metrics |= run.skips.note_samples(step, every)
             metrics |= staleness_metrics(batch, run.version)
             metrics |= {"async/queue_depth": float(groups.qsize()), "async/dropped_stale": float(dropped_stale),
                         "time/wait_rollout_s": wait_s, "rollout/groups_kept": float(len({s.group_index for s in batch})),

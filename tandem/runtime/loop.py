@@ -11,11 +11,14 @@ its position (step, weight version) and its outputs (metrics, checkpoints, rollo
 Placement: ``colocated`` (one process) puts the engine to sleep (KV cache freed) while the trainer
 trains and syncs in-process; ``separate`` runs the engine in its own process (`RemoteEngine`) and syncs
 by broadcast or disk. Every phase is timed (``time/<phase>_s``) and shown in a progress bar.
+
+Reliability (docs/runtime.md): a watchdog fails a run that completes no step for ``runtime.watchdog_s``
+(`tandem.runtime.watchdog`), ``runtime.max_skipped_steps`` consecutive skipped steps fail it, and
+SIGINT / SIGTERM stop it at a step boundary with a checkpoint (`tandem.runtime.preemption`).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import json
 import logging
 import shutil
@@ -36,14 +39,16 @@ from tandem.models import load_tokenizer
 from tandem.rewards.hub import RewardHub
 from tandem.rollout.data import DataSource
 from tandem.runtime import builders
-from tandem.runtime.checkpoint import latest_checkpoint, load_run_state, save_run_checkpoint
+from tandem.runtime.checkpoint import check_resume_target, restore_latest, rng_state, save_run_checkpoint
 from tandem.runtime.config import RunConfig
 from tandem.runtime.engine_wire import EngineProcessError
 from tandem.runtime.metrics import rollout_metrics, staleness_metrics
 from tandem.runtime.policy import merge_mini_batch_metrics, mini_batch_rows, old_log_prob_source, run_contract
+from tandem.runtime.preemption import Preempted, StopSignals, _Stuck
 from tandem.runtime.progress import Progress
 from tandem.runtime.rollouts import Rollouts
 from tandem.runtime.tracking import Tracker
+from tandem.runtime.watchdog import Background, SkipCounter, Stalled, Watchdog
 from tandem.sync import build_sender
 
 __all__ = ["Run"]
@@ -63,6 +68,8 @@ class Run:
                 "or pass --overwrite to replace it"
             )
         builders.check_placement(cfg)
+        if resume:  # nothing left to do is said now, before anything is built
+            check_resume_target(run_dir, cfg.run.steps)
         # every engine setting the run asks for is checked now, before anything is built
         self.plan = builders.plan_engines(cfg)
         self.generate_fn = builders.check_rollout(cfg)
@@ -124,10 +131,11 @@ class Run:
         self.step, self.version = 0, 0
         resume_step = None
         if resume:
-            ckpt = latest_checkpoint(self.run_dir)
-            if ckpt is None:
-                raise FileNotFoundError(f"--resume: no complete checkpoint under {self.run_dir}/checkpoints")
-            state = load_run_state(ckpt, self.trainer)
+            found = restore_latest(self.run_dir, self.trainer, bucket_bytes=cfg.sync.bucket_bytes)
+            if found is None:
+                raise FileNotFoundError(f"--resume: no complete, intact checkpoint under {self.run_dir}/checkpoints")
+            ckpt, state = found
+            check_resume_target(self.run_dir, cfg.run.steps, step=state["step"], ckpt=ckpt)
             self.step, self.version = state["step"], state["version"]
             self.data.load_state_dict(state["data"])
             self.kl_ctl.load_state_dict(state["kl"])
@@ -139,8 +147,14 @@ class Run:
         self.tracker = Tracker(cfg.tracking, self.run_dir, run_name=cfg.run.name, resume_step=resume_step,
                                config=to_dict(cfg))
         self.progress = Progress(enabled=cfg.tracking.progress, total=cfg.run.steps, start=self.step)
+        self.watchdog = Watchdog(cfg.runtime.watchdog_s)
+        self.signals = StopSignals(phase=self.watchdog.current_phase)
+        self.watchdog.on_expire = self.signals.interrupt
+        self.skips = SkipCounter(cfg.runtime.max_skipped_steps)
         self._asleep = False
         self._initial_state = {"data": self.data.state_dict(), "kl": self.kl_ctl.state_dict()}
+        self._completed = self._state()  # what a checkpoint of the last completed step holds
+        self._saved_step: int | None = self.step if resume else None
 
     # -- phases ---------------------------------------------------------------------------------------
 
@@ -148,10 +162,16 @@ class Run:
         """Generate, score and filter until ``prompts_per_step`` groups survive (or ``max_rounds``)."""
         if self.cfg.rollout.load_dump:
             return self._load_dump(step)
-        kept, everything, metrics = self.rollouts.step(step, phase=lambda name: self.progress.phase(step, name))
+        kept, everything, metrics = self.rollouts.step(step, phase=lambda name: self.phase(step, name))
+        metrics |= self.skips.note_samples(step, everything)
         if self.cfg.rollout.dump:
             self.dump(step, everything)
         return kept, metrics
+
+    def phase(self, step: int, name: str) -> None:
+        """The loop enters phase ``name`` of ``step``: shown in the progress bar, watched by the watchdog."""
+        self.progress.phase(step, name)
+        self.watchdog.phase(step, name)
 
     def train_on(self, step: int, samples: Sequence[Sample]) -> dict[str, float]:
         """Advantages, reference log-probs / values, one optimizer step."""
@@ -160,7 +180,7 @@ class Run:
             return {"train/skipped_step": 1.0, "train/no_samples": 1.0}
         alg = self.cfg.algorithm
         batch = TrainBatch.from_samples(samples, pad_token_id=self.pad_id)
-        self.progress.phase(step, "logprobs")
+        self.phase(step, "logprobs")
         t0 = time.perf_counter()
         if alg.needs_ref:
             batch = batch.replace(ref_log_probs=self.trainer.forward_logprobs(batch, model="ref").log_probs)
@@ -180,7 +200,7 @@ class Run:
         kl_coef = self.kl_ctl.coef_at(step)
         batch, adv_metrics = compute_advantages(batch, alg.advantage, kl=alg.kl, kl_coef=kl_coef)
         metrics |= adv_metrics
-        self.progress.phase(step, "train")
+        self.phase(step, "train")
         t0 = time.perf_counter()
         loss_fn = alg.build_loss_fn(kl_coef=kl_coef)
         parts = []
@@ -202,6 +222,7 @@ class Run:
 
     def sync_weights(self) -> dict[str, float]:
         """Send the trainer's weights as the next version; the version moves only once the engine has it."""
+        self.phase(self.step, "sync")
         t0 = time.perf_counter()
         version = self.version + 1
         metrics = self._push_weights(version)
@@ -243,19 +264,35 @@ class Run:
         t0 = time.perf_counter()
         failed = True
         try:
-            with self.progress:
-                while True:
-                    try:
-                        self._train_mode()
-                        break
-                    except Exception as e:
-                        if not self._restart_trainer(e):
-                            raise
+            with self.progress, self.signals, self.watchdog:
+                self._train_guarded()
             failed = False
         finally:
             if close or failed:
                 self.close()
         return {"steps": self.step, "wall_s": time.perf_counter() - t0, "run_dir": str(self.run_dir)}
+
+    def _train_guarded(self) -> None:
+        """`_train_mode`, with trainer restarts (Ray), the watchdog's error and a checkpoint on a stop signal."""
+        try:
+            while True:
+                try:
+                    self._train_mode()
+                    return
+                except Exception as e:
+                    if not self._restart_trainer(e):
+                        raise
+        except _Stuck:
+            raise Stalled(self.watchdog.expired) from None
+        except Preempted as stop:
+            stop.step = self.step
+            stop.checkpoint = self._save_completed()
+            log.warning("%s; continue with --resume %s", stop, self.run_dir)
+            raise
+
+    def poll_stop(self) -> None:
+        """For the loop's waits: raise if the watchdog expired or a stop signal may abandon the step."""
+        self.signals.check()
 
     def _train_mode(self) -> None:
         mode = self.cfg.runtime.mode
@@ -282,9 +319,10 @@ class Run:
             return False
         lost_at = self.step
         self.trainer = self.cluster.rebuild_trainer()
-        ckpt = latest_checkpoint(self.run_dir)
-        if ckpt is not None:
-            state = load_run_state(ckpt, self.trainer)
+        found = restore_latest(self.run_dir, self.trainer, bucket_bytes=self.cfg.sync.bucket_bytes)
+        ckpt = found[0] if found else None
+        if found is not None:
+            state = found[1]
             self.step = state["step"]
             self.data.load_state_dict(state["data"])
             self.kl_ctl.load_state_dict(state["kl"])
@@ -293,6 +331,7 @@ class Run:
             self.data.load_state_dict(self._initial_state["data"])
             self.kl_ctl.load_state_dict(self._initial_state["kl"])
         self.tracker.rewind(self.step - 1)
+        self._completed = self._state()
         # versions never go backwards: the restored weights reach the replicas as a new version
         self.version += 1
         self._push_weights(self.version)
@@ -354,6 +393,7 @@ class Run:
     def _train_sync(self) -> None:
         for step in range(self.step, self.cfg.run.steps):
             t0 = time.perf_counter()
+            self.phase(step, "rollout")
             self._wake()
             samples, metrics = self.rollout(step)
             self._sleep()  # colocated: free the KV cache while the trainer works
@@ -362,42 +402,69 @@ class Run:
             self._finish_step(step, metrics, samples, t0)
 
     def _train_one_step_off(self) -> None:
-        pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tandem-rollout")
+        start = self.step
+        # a daemon thread, not a pool: a rollout that hangs must not keep the process from exiting
+        pending = Background(self.rollout, start, name="tandem-rollout")
         try:
-            start = self.step
-            pending = pool.submit(self.rollout, start)
             for step in range(start, self.cfg.run.steps):
                 t0 = time.perf_counter()
-                samples, metrics = pending.result()
+                self.phase(step, "wait for rollouts")
+                samples, metrics = pending.result(poll=self.poll_stop)
                 if step > start:  # the weights trained last step reach the engine while it is idle
                     metrics |= self.sync_weights()
                 metrics |= staleness_metrics(samples, self.version)
                 if step + 1 < self.cfg.run.steps:
-                    pending = pool.submit(self.rollout, step + 1)
+                    pending = Background(self.rollout, step + 1, name="tandem-rollout")
                 metrics |= self.train_on(step, samples)
                 self._finish_step(step, metrics, samples, t0)
             if self.step > start:
                 self.sync_weights()  # the last update reaches the engine too
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            if not pending.done():  # the run stopped early: end the rollout in flight
+                self.engine.abort_all()
+                pending.join(timeout_s=30)
 
     # -- bookkeeping ----------------------------------------------------------------------------------
 
     def _finish_step(self, step: int, metrics: dict[str, float], samples: Sequence[Sample], t0: float) -> None:
+        self.phase(step, "finish")
         self.step = step + 1
+        self._completed = self._state()
         if self.cluster is not None:
             metrics |= self.cluster.metrics()
         metrics["time/step_s"] = time.perf_counter() - t0
         self.tracker.log(step, metrics)
         self.progress.done(step, metrics)
+        self.watchdog.step_done()
+        self.skips.update(step, metrics)  # raises after runtime.max_skipped_steps skipped steps in a row
         every = self.cfg.run.save_every
         if (every and self.step % every == 0) or self.step == self.cfg.run.steps:
             self.save()
+        self.phase(self.step, "next step")
+        self.signals.check_after_step()  # a stop signal during the step: stop here
+
+    def _state(self) -> dict[str, Any]:
+        return {"version": self.version, "data": self.data.state_dict(), "kl": self.kl_ctl.state_dict(),
+                "rng": rng_state()}
 
     def save(self) -> Path:
-        state = {"version": self.version, "data": self.data.state_dict(), "kl": self.kl_ctl.state_dict()}
-        return save_run_checkpoint(self.run_dir, self.step, self.trainer, state, self.cfg,
-                                   keep=self.cfg.run.keep_checkpoints)
+        """Checkpoint the run at its current step (the end of the last completed one)."""
+        path = save_run_checkpoint(self.run_dir, self.step, self.trainer, self._state(), self.cfg,
+                                   keep=self.cfg.run.keep_checkpoints, bucket_bytes=self.cfg.sync.bucket_bytes)
+        self._saved_step = self.step
+        return path
+
+    def _save_completed(self) -> Path | None:
+        """A stop signal: checkpoint the last completed step (as it stood when that step ended)."""
+        if self._saved_step == self.step:
+            return self.run_dir / "checkpoints" / f"step_{self.step}"
+        if self.step == 0:
+            log.warning("stopped before the first step completed: nothing to save")
+            return None
+        path = save_run_checkpoint(self.run_dir, self.step, self.trainer, self._completed, self.cfg,
+                                   keep=self.cfg.run.keep_checkpoints, bucket_bytes=self.cfg.sync.bucket_bytes)
+        self._saved_step = self.step
+        return path
 
     def _load_dump(self, step: int) -> tuple[list[Sample], dict[str, float]]:
         """``--debug-train-only``: the samples a previous run dumped for this step, filtered as usual."""

@@ -27,7 +27,7 @@ def _series(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float
     xs, ys = [], []
     for r in rows:
         v = r.get(key)
-        if isinstance(v, int | float):
+        if isinstance(v, int | float) and not isinstance(v, bool):
             xs.append(r["step"])
             ys.append(float(v))
     return xs, ys
@@ -41,9 +41,11 @@ def write_report(run_dir: str | Path) -> dict[str, Any]:
     import matplotlib.pyplot as plt
 
     run_dir = Path(run_dir)
-    rows = read_metrics(run_dir)
+    skipped: list[int] = []
+    rows = read_metrics(run_dir, skipped=skipped)
     if not rows:
-        raise FileNotFoundError(f"{run_dir}/metrics.jsonl is missing or empty: not a Tandem run directory?")
+        why = f"has no valid line (bad lines: {_lines(skipped)})" if skipped else "is missing or empty"
+        raise FileNotFoundError(f"{run_dir}/metrics.jsonl {why}: not a Tandem run directory?")
     out = run_dir / "report"
     out.mkdir(exist_ok=True)
     written = []
@@ -68,9 +70,11 @@ def write_report(run_dir: str | Path) -> dict[str, Any]:
         "steps": len(rows),
         "first_reward": rewards[0] if rewards else None,
         "last_reward": rewards[-1] if rewards else None,
-        "wall_s": rows[-1]["time"] - rows[0]["time"] + rows[0].get("time/step_s", 0.0),
+        "wall_s": _wall_s(rows),
         "plots": written,
     }
+    if skipped:
+        summary["skipped_lines"] = _lines(skipped)
     if len(rewards) >= 4:
         k = max(1, len(rewards) // 4)
         summary["reward_first_quarter"] = sum(rewards[:k]) / k
@@ -78,3 +82,21 @@ def write_report(run_dir: str | Path) -> dict[str, Any]:
     lines = [f"{k}: {v}" for k, v in summary.items()]
     (out / "summary.txt").write_text("\n".join(lines) + "\n")
     return summary
+
+
+def _number(row: dict[str, Any], key: str) -> float | None:
+    v = row.get(key)
+    return float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+
+
+def _wall_s(rows: list[dict[str, Any]]) -> float | None:
+    """Seconds from the first step's start to the last step's end (None without timestamps)."""
+    first, last = _number(rows[0], "time"), _number(rows[-1], "time")
+    if first is None or last is None:
+        return None
+    return last - first + (_number(rows[0], "time/step_s") or 0.0)
+
+
+def _lines(numbers: list[int], most: int = 10) -> str:
+    shown = ", ".join(map(str, numbers[:most]))
+    return shown + (f" and {len(numbers) - most} more" if len(numbers) > most else "")

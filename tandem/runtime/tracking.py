@@ -33,11 +33,33 @@ class TrackingConfig:
     progress: bool = True  # a rich progress bar over steps
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+def read_metrics(run_dir: str | Path, *, skipped: list[int] | None = None) -> list[dict[str, Any]]:
+    """The rows of ``RUN_DIR/metrics.jsonl`` ([] without the file).
+
+    A line that is not a JSON object with an integer ``step`` (the half-written last line of a run that
+    was killed, a line edited by hand) is skipped with a warning naming its line number, and appended
+    to ``skipped`` when given; it never stops a report or a resume.
+    """
     p = Path(run_dir) / "metrics.jsonl"
     if not p.is_file():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    rows = []
+    for lineno, line in enumerate(p.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            row, why = None, f"not JSON ({e})"
+        else:
+            why = "not an object with an integer 'step'"
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and not isinstance(row["step"], bool):
+            rows.append(row)
+            continue
+        log.warning("%s:%d: skipping a bad metrics line: %s", p, lineno, why)
+        if skipped is not None:
+            skipped.append(lineno)
+    return rows
 
 
 def _clean(value: Any) -> Any:

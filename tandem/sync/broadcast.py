@@ -25,10 +25,22 @@ keeps its weights and version) and wait for the sender to re-form the group: the
 a new generation under a fresh store prefix and waits up to ``timeout_s`` for every receiver to join.
 A broken group is kept referenced (its pending work may block until the collective timeout, and
 destroying it would block the caller).
+
+**Authentication** (``secret``: the run's per-run secret, `tandem.sync.auth`). The store listens on
+``host`` only and gloo on the interface that reaches it. A receiver joins a generation by answering the
+sender's fresh challenge with an HMAC over (session, rank, both nonces); the sender admits it with an
+HMAC of its own, so neither side forms a group with a party that lacks the secret. Announcements,
+every bucket header (which holds the body's xxh3), the commit (the bucket count) and the receivers'
+results carry HMAC tags bound to the session and the update's sequence number, and each body carries a
+keyed BLAKE2b tag (CPU buckets; GPU buckets are not hashed unless ``hash_buckets``): a party without
+the secret can disrupt a sync (it fails, the engines keep their weights), not join it or change the
+weights. Without a secret on both sides nothing is authenticated (the library default; a run always
+has one).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import secrets
@@ -42,6 +54,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tandem.sync import auth
 from tandem.sync.apply import call_apply
 from tandem.sync.base import (
     BucketHeader,
@@ -63,7 +76,6 @@ MAGIC = 0x54414E44  # "TAND"
 COMMIT, ABORT = -1, -2
 SESSION_KEY = "tandem-sync/session"  # "<sender token>:<generation>", the group to join
 CLOSED_KEY = "tandem-sync/closed"
-_JOINING = "tandem-sync/joining"  # "<prefix>/<session>/<rank>": a receiver is forming that session's group
 _POLL_S = 0.001  # NCCL: sleep between completion checks of a collective
 _ABORT_EVERY = 50  # NCCL: check the store's abort key every this many polls
 _ABORT_CHECK_S = 0.1  # gloo: check the store's abort key this often while waiting on a collective
@@ -88,26 +100,41 @@ def _allreduce_min(pg, tensor: torch.Tensor):
     return pg.allreduce([tensor], opts)
 
 
-def _new_pg(store: dist.Store, rank: int, size: int, timeout_s: float, device: torch.device):
+def _new_pg(store: dist.Store, rank: int, size: int, timeout_s: float, device: torch.device, address: str):
     if device.type == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timedelta(seconds=timeout_s)
         return dist.ProcessGroupNCCL(store, rank, size, opts)
-    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = timedelta(seconds=timeout_s)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=address)]  # not every interface
+    opts._threads = 2  # what the timeout-only constructor gives one device
+    return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
 class _Group:
     """One generation of the group: its store prefix, process group and update counter."""
 
-    def __init__(self, store: dist.Store, session: str, rank: int, size: int, timeout_s: float, device) -> None:
+    def __init__(self, store: dist.Store, session: str, rank: int, size: int, timeout_s: float, device,
+                 address: str) -> None:
         self.store = dist.PrefixStore(f"tandem-sync/{session}/", store)
         self.session = session
-        self.pg = _new_pg(self.store, rank, size, timeout_s, device)
+        self.pg = _new_pg(self.store, rank, size, timeout_s, device, address)
         self.seq = 0
 
 
 def _status(value: int, device: torch.device) -> torch.Tensor:
     return torch.tensor([value], dtype=torch.int64, device=device)
+
+
+def _get(store: dist.Store, key: str) -> str | None:
+    return store.get(key).decode() if store.check([key]) else None
+
+
+def _failed(message: str) -> Future:
+    future: Future = Future()
+    future.set_exception(SyncError(message))
+    return future
 
 
 class BroadcastSender:
@@ -116,6 +143,8 @@ class BroadcastSender:
     ``verify``: every receiver hashes its engine's weights after applying; `send` compares them with
     the hashes of what it sent (`tandem.sync.verify`). ``device="cuda"`` uses NCCL with GPU buffers
     (buckets are then sent without a checksum unless ``hash_buckets``: hashing needs a host copy).
+    ``secret``: authenticate the receivers and every update (module docstring); may also be set as the
+    attribute before the first `send`.
     """
 
     def __init__(
@@ -128,6 +157,7 @@ class BroadcastSender:
         verify: bool = False,
         device: str = "cpu",
         hash_buckets: bool | None = None,
+        secret: bytes | str | None = None,
     ):
         if num_receivers < 1:
             raise ValueError(f"num_receivers={num_receivers} must be >= 1")
@@ -138,9 +168,8 @@ class BroadcastSender:
             require_cuda("transport 'broadcast' on device 'cuda' (NCCL)")
         self.num_receivers, self.timeout_s, self.verify = num_receivers, timeout_s, verify
         self.hash_buckets = self.device.type == "cpu" if hash_buckets is None else hash_buckets
-        self.store = dist.TCPStore(
-            host, port, world_size=None, is_master=True, timeout=timedelta(seconds=timeout_s), wait_for_workers=False
-        )
+        self.secret = auth.as_key(secret)
+        self.store = auth.listening_store(host, port, timeout_s)  # on host only
         self.host, self.port = host, self.store.port
         self._token = secrets.token_hex(4)  # a restarted sender never reuses a generation name
         self._generation = 0
@@ -154,31 +183,23 @@ class BroadcastSender:
         if self._group is None:
             self._generation += 1
             session = f"{self._token}:{self._generation}"
+            # every receiver announces itself (and, with a secret, answers a challenge) before the group is
+            # formed, in short polls: the group's own rendezvous blocks in C++ for timeout_s, and a thread
+            # stuck there (a receiver that died first) cannot be interrupted, which also aborts the
+            # interpreter if it exits meanwhile
+            nonce = auth.post_challenge(self.store, session)
             self.store.set(SESSION_KEY, session)
-            self._await_receivers(session)
+            auth.admit_receivers(self.store, session, nonce, self.num_receivers, self.secret,
+                                 timeout_s=self.timeout_s, cancelled=self._cancelled)
             try:
-                self._group = _Group(self.store, session, 0, self.num_receivers + 1, self.timeout_s, self.device)
+                self._group = _Group(self.store, session, 0, self.num_receivers + 1, self.timeout_s, self.device,
+                                     self.host)
             except Exception as e:
                 raise SyncError(
                     f"broadcast sync: {self.num_receivers} receiver(s) did not join within {self.timeout_s}s "
                     f"({type(e).__name__}: {e})"
                 ) from e
         return self._group
-
-    def _await_receivers(self, session: str) -> None:
-        """Wait for every receiver to announce itself before forming the process group, in short polls:
-        the group's own rendezvous blocks in C++ for ``timeout_s``, and a thread stuck there (a receiver
-        that died first) cannot be interrupted, which also aborts the interpreter if it exits meanwhile."""
-        keys = [f"{_JOINING}/{session}/{r}" for r in range(1, self.num_receivers + 1)]
-        deadline = time.monotonic() + self.timeout_s
-        while not self.store.check(keys):
-            if self._cancelled.is_set():
-                raise SyncError("broadcast sync cancelled (the sender was told its receivers are gone)")
-            if time.monotonic() >= deadline:
-                raise SyncError(
-                    f"broadcast sync: {self.num_receivers} receiver(s) did not join within {self.timeout_s}s"
-                )
-            time.sleep(_IDLE_POLL_S)
 
     def cancel(self) -> None:
         """Stop waiting for receivers that will not come (e.g. the engine process died); a `send`
@@ -191,11 +212,17 @@ class BroadcastSender:
         group = self._connect()
         group.seq += 1
         seq = group.seq
-        group.store.set(f"announce/{seq}", json.dumps({"version": version, "verify": self.verify}))
+        announce = {"version": version, "verify": self.verify}
+        if self.secret:
+            announce["tag"] = auth.tag(self.secret, "announce", group.session, seq, version, self.verify)
+        group.store.set(f"announce/{seq}", json.dumps(announce))
         sent: dict[str, int] = {}
         try:
             nbytes = self._stream(group, buckets, version, sent)
-            self._control(group, version, COMMIT, 0)
+            if self.secret:  # before COMMIT: receivers check it when they see COMMIT
+                group.store.set(f"commit/{seq}", auth.tag(self.secret, "commit", group.session, seq, version,
+                                                          self._last_buckets))
+            self._control(group, version, COMMIT, self._last_buckets)
             prepared = _status(1, self.device)
             _allreduce_min(group.pg, prepared).wait()
             applied = _status(1, self.device)
@@ -211,7 +238,8 @@ class BroadcastSender:
             self._abandon(group, f"{type(e).__name__}: {e}")
             raise SyncError(f"broadcast sync to version {version} failed: {type(e).__name__}: {e}") from e
         results = self._results(group, seq)
-        if int(prepared.item()) != 1 or int(applied.item()) != 1:
+        authentic = self.secret is None or all(res.get("ok") for res in results.values())
+        if int(prepared.item()) != 1 or int(applied.item()) != 1 or not authentic:
             reasons = [f"receiver {r}: {res.get('error')}" for r, res in results.items() if not res.get("ok")]
             raise SyncError(
                 f"sync to version {version} was not applied ({'; '.join(reasons) or 'no reason given'})"
@@ -240,7 +268,7 @@ class BroadcastSender:
             flat, header = flatten_bucket(bucket, self._pool, i % 2, hashed=self.hash_buckets)
             if self.verify:
                 sent.update(tensor_hashes(bucket))
-            hdr = torch.frombuffer(bytearray(header.to_json().encode()), dtype=torch.uint8)
+            hdr = torch.frombuffer(bytearray(self._header_bytes(group, version, i, header, flat)), dtype=torch.uint8)
             if pending is not None:
                 pending.wait()
             self._control(group, version, hdr.numel(), flat.numel())
@@ -253,6 +281,16 @@ class BroadcastSender:
         self._last_buckets = i
         return nbytes
 
+    def _header_bytes(self, group: _Group, version: int, i: int, header: BucketHeader, flat: torch.Tensor) -> bytes:
+        """The header as sent: plain JSON, or with a secret an envelope with its tag and the body's."""
+        text = header.to_json()
+        if self.secret is None:
+            return text.encode()
+        fields = (group.session, group.seq, version, i)
+        body = auth.body_tag(self.secret, fields, flat) if self.hash_buckets else ""
+        return json.dumps({"header": text, "body": body,
+                           "tag": auth.tag(self.secret, "bucket", *fields, text, body)}).encode()
+
     def _control(self, group: _Group, version: int, kind: int, n: int) -> None:
         _bcast(group.pg, torch.tensor([MAGIC, version, kind, n], dtype=torch.int64, device=self.device)).wait()
 
@@ -262,6 +300,9 @@ class BroadcastSender:
             key = f"result/{seq}/{r}"
             out[r] = json.loads(group.store.get(key).decode()) if group.store.check([key]) else {}
             group.store.delete_key(key)
+            if self.secret and out[r] and not auth.check_tag(self.secret, out[r].pop("tag", None), "result",
+                                                             group.session, seq, r, json.dumps(out[r], sort_keys=True)):
+                out[r] = {"ok": False, "error": "its result failed authentication"}
         group.store.delete_key(f"announce/{seq}")
         return out
 
@@ -309,11 +350,13 @@ class BroadcastReceiver:
         port: int,
         timeout_s: float = 120.0,
         device: str = "cpu",
+        secret: bytes | str | None = None,
     ):
         if not 1 <= rank <= num_receivers:
             raise ValueError(f"receiver rank={rank} must be in [1, {num_receivers}]")
         self.rank, self.size, self.timeout_s = rank, num_receivers + 1, timeout_s
         self.host, self.port = host, port
+        self.secret = auth.as_key(secret)
         self.device = torch.device(device)
         self.stop_requested = False  # set by `EngineReceiver.stop`: idle waits return None
         self.store = self._store()
@@ -351,11 +394,22 @@ class BroadcastReceiver:
             time.sleep(_IDLE_POLL_S)
         self._seen_session = session
         try:
-            self.store.set(f"{_JOINING}/{session}/{self.rank}", "1")  # the sender forms the group once all did
-            self._group = _Group(self.store, session, self.rank, self.size, self.timeout_s, self.device)
+            if not auth.join(self.store, session, self.rank, self.secret, timeout_s=self.timeout_s,
+                             poll=self._poll_join):
+                return None
+            self._group = _Group(self.store, session, self.rank, self.size, self.timeout_s, self.device,
+                                 auth.local_address(self.host))
+        except SyncError:
+            raise
         except Exception as e:
             raise SyncError(f"could not join sync group {session}: {type(e).__name__}: {e}") from e
         return self._group
+
+    def _poll_join(self, keys: list[str]) -> bool | None:
+        found = self._poll_store(keys)
+        if not self._seen_session:  # reconnected to a restarted sender: its sessions are new
+            raise SyncError("the sync sender restarted; rejoining")
+        return found
 
     def _poll_store(self, keys: list[str]) -> bool | None:
         """Whether ``keys`` exist (None: the sender closed or a stop was requested). Reconnects to a
@@ -386,9 +440,16 @@ class BroadcastReceiver:
         while True:
             try:
                 group.store.wait([key], timedelta(seconds=_IDLE_WAIT_S))
-                return json.loads(group.store.get(key).decode())
+                announced = json.loads(group.store.get(key).decode())
             except RuntimeError:  # timed out (or the store went away: _poll_store finds out)
-                pass
+                announced = None
+            if announced is not None:
+                if self.secret is None or auth.check_tag(self.secret, announced.get("tag"), "announce", group.session,
+                                                         group.seq + 1, announced.get("version"),
+                                                         announced.get("verify")):
+                    return announced
+                self._drop_group()
+                raise SyncError(f"the announcement of update {group.seq + 1} failed authentication; rejoining")
             if self._poll_store([SESSION_KEY]) is None:
                 return None
             if self._group is not group:  # the store was reconnected
@@ -465,6 +526,10 @@ class BroadcastReceiver:
             if kind == ABORT:
                 return None
             if kind == COMMIT:
+                if self.secret and not auth.check_tag(self.secret, _get(group.store, f"commit/{group.seq}"), "commit",
+                                                      group.session, group.seq, version, len(staged)) or n != i:
+                    staged.append((None, None, _failed(f"the commit of update {group.seq} does not match what "
+                                                       "arrived or failed authentication")))
                 return staged
             hdr = torch.empty(kind, dtype=torch.uint8, device=self.device)
             self._wait(group, _bcast(group.pg, hdr))
@@ -473,9 +538,29 @@ class BroadcastReceiver:
             if self.corrupt_next_bucket:
                 flat[0] ^= 0xFF
                 self.corrupt_next_bucket = False
-            header = BucketHeader.from_json(bytes(hdr.cpu().numpy()).decode())
-            staged.append((flat, header, self._hasher.submit(check_bucket, flat, header)))
+            try:
+                header, body = self._open_header(group, version, i, bytes(hdr.cpu().numpy()))
+                staged.append((flat, header, self._hasher.submit(self._check, flat, header, body,
+                                                                 (group.session, group.seq, version, i))))
+            except SyncError as e:  # reported in the prepare phase: the sender learns why at once
+                staged.append((flat, None, _failed(str(e))))
             i += 1
+
+    def _open_header(self, group: _Group, version: int, i: int, raw: bytes) -> tuple[BucketHeader, str]:
+        """The bucket's header (and, with a secret, its body tag), its own tag checked."""
+        if self.secret is None:
+            return BucketHeader.from_json(raw.decode()), ""
+        envelope = auth.json_or_none(raw)
+        if not isinstance(envelope, dict) or not auth.check_tag(
+                self.secret, envelope.get("tag"), "bucket", group.session, group.seq, version, i,
+                envelope.get("header"), envelope.get("body")):
+            raise SyncError(f"bucket {i} of update {group.seq} failed authentication")
+        return BucketHeader.from_json(envelope["header"]), envelope["body"]
+
+    def _check(self, flat: torch.Tensor, header: BucketHeader, body: str, fields: tuple) -> None:
+        check_bucket(flat, header)
+        if body and not hmac.compare_digest(body, auth.body_tag(self.secret, fields, flat)):
+            raise SyncError(f"bucket {fields[-1]} of update {fields[1]}: its body failed authentication")
 
     def _commit(self, group: _Group, staged, version: int, apply: ApplyFn, verify: bool) -> int:
         """Phase 1: all checksums good everywhere; phase 2: apply and report."""
@@ -487,7 +572,7 @@ class BroadcastReceiver:
             result = {"ok": False, "error": str(e)}
         try:
             prepared = _status(int(result["ok"]), self.device)
-            group.store.set(f"result/{group.seq}/{self.rank}", json.dumps(result))
+            self._post_result(group, result)
             self._wait(group, _allreduce_min(group.pg, prepared))
             if int(prepared.item()) != 1:
                 raise SyncError(f"sync to version {version} not applied: {result.get('error') or 'another receiver failed'}")
@@ -497,7 +582,7 @@ class BroadcastReceiver:
             except Exception as e:  # noqa: BLE001 - reported to the sender, weights untouched
                 result = {"ok": False, "error": f"{type(e).__name__}: {e}"}
                 log.error("sync to version %d not applied: %s", version, e)
-            group.store.set(f"result/{group.seq}/{self.rank}", json.dumps(result))
+            self._post_result(group, result)
             applied = _status(int(result["ok"]), self.device)
             self._wait(group, _allreduce_min(group.pg, applied))
         except _Aborted:
@@ -511,6 +596,13 @@ class BroadcastReceiver:
         if not result["ok"]:
             raise SyncError(f"sync to version {version} was not applied: {result['error']}")
         return version
+
+    def _post_result(self, group: _Group, result: dict[str, Any]) -> None:
+        posted = dict(result)
+        if self.secret:
+            posted["tag"] = auth.tag(self.secret, "result", group.session, group.seq, self.rank,
+                                     json.dumps(result, sort_keys=True))
+        group.store.set(f"result/{group.seq}/{self.rank}", json.dumps(posted))
 
     def close(self) -> None:
         self._drop_group()

@@ -64,6 +64,29 @@ def test_no_input_is_a_server_error(case, live):
     assert response.status_code < 500, (case.method, case.formatted_path, repr(case.body)[-600:], response.text[:300])
 
 
+# JSON has no NaN or Infinity, so a schema-driven fuzzer never sends them; Python's JSON parser accepts them
+# (and turns 1e999 into inf), and integers of any size: each must stop at validation, as a 422
+NUMBERS = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1" + "0" * 40, "-1" + "0" * 40]
+CHAT_FIELDS = ["temperature", "top_p", "top_k", "max_tokens", "max_completion_tokens", "seed", "n", "top_logprobs"]
+
+
+@pytest.mark.parametrize("value", NUMBERS)
+def test_non_finite_and_huge_numbers_are_422_never_a_server_error(live, value):
+    base_url, sid = live
+    headers = {"Content-Type": "application/json"}
+    bodies = [(f"/sessions/{sid}/v1/chat/completions",
+               f'{{"messages": [{{"role": "user", "content": "hi"}}], "{name}": {value}}}') for name in CHAT_FIELDS]
+    bodies += [(f"/sessions/{sid}/v1/chat/completions", '{"messages": [{"role": "user", "content": "hi"}], '
+                f'"tools": [{{"type": "function", "function": {{"name": "f", "parameters": {{"x": {value}}}}}}}]}}'),
+               ("/sessions", f'{{"metadata": {{"x": {value}}}}}'), ("/sessions", f'{{"max_turns": {value}}}')]
+    with httpx.Client(base_url=base_url, timeout=60) as c:  # one keep-alive connection for all of them
+        for path, body in bodies:
+            r = c.post(path, content=body, headers=headers)
+            expected = 201 if value.lstrip("-").isdigit() and '"metadata"' in body else 422  # huge ints are JSON
+            assert r.status_code == expected, (body, r.status_code, r.text[:300])
+        assert c.get(f"/sessions/{sid}").status_code == 200  # and the connection still serves
+
+
 def test_the_fuzz_reached_the_engine_and_the_validators():
     if not STATUSES:
         pytest.skip("run with the fuzz test above")

@@ -114,6 +114,17 @@ def test_replicas_killed_at_random_lose_no_sample(tmp_path, cluster):
 
 
 @pytest.mark.slow
+def test_megatron_trainer_ranks_as_actors(tmp_path, cluster):
+    pytest.importorskip("megatron.core")
+    run = Run(_cfg(cluster, "trainer.engine=megatron", "run.steps=2"), tmp_path)
+    assert run.trainer.info.name == "megatron"
+    run.train()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1] and all(r["train/skipped_step"] == 0 for r in rows)
+    assert all(r["train_rollout_logprob_abs_diff/mean"] < 1e-4 for r in rows)  # fp32: bounded pair, ~1e-6
+
+
+@pytest.mark.slow
 def test_colocated_layout_shares_bundles_and_sleeps_the_replicas(tmp_path, cluster):
     """Replicas in the trainer ranks' bundles (one node here), asleep while the trainer trains."""
     run = Run(_cfg(cluster, "ray.layout=colocated", "run.steps=2", "ray.engine_resources={}",

@@ -2,7 +2,9 @@
 
 Runs in one process without a process group: DCP reads the sharded checkpoint into an unsharded model
 whatever the world size that saved it. The output is written to ``.<name>.partial`` and renamed into
-place when complete, like a checkpoint.
+place when complete, like a checkpoint. An existing ``output`` is replaced only when it is empty or a
+previous export (it holds `EXPORT_MARKER`), or with ``force``; never the current directory, one of
+its parents, or the checkpoint being read, even with ``force``.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from tandem.engines.training.fsdp.lora import apply_lora, hf_tensors
 from tandem.engines.training.fsdp.modules import PolicyModel, load_lm
 from tandem.models.registry import DTYPES, ModelConfig
 
-__all__ = ["export_hf"]
+__all__ = ["EXPORT_MARKER", "check_output", "export_hf"]
 
 SHARD_BYTES = 4 << 30  # safetensors files above this size are split, with an index, as HF does
 _WEIGHT_FILES = (".safetensors", ".bin", ".gguf", ".pt", ".pth")
-_SKIP_FILES = {"model.safetensors.index.json", "tandem_model.json"}
+EXPORT_MARKER = "tandem_export.json"  # written into every export: what may be replaced without --force
+_SKIP_FILES = {"model.safetensors.index.json", "tandem_model.json", EXPORT_MARKER}
 
 
 def _policy_from_checkpoint(ckpt_dir: Path, meta: dict) -> tuple[PolicyModel, Path]:
@@ -89,16 +92,45 @@ def _write_adapter_config(meta: dict, base: Path, out: Path) -> None:
     ).save_pretrained(str(out))
 
 
+def check_output(output: str | Path, checkpoint: str | Path, *, force: bool = False) -> Path:
+    """The absolute path to export to, or ValueError if writing there would delete what it must not.
+
+    Replacing ``output`` deletes its contents: allowed for a missing or empty folder or a previous
+    export (it holds `EXPORT_MARKER`), any other folder only with ``force``; never a file, the
+    current directory or one of its parents, or the checkpoint (or a folder holding it).
+    """
+    final = Path(output).absolute()
+    real, cwd = final.resolve(), Path.cwd().resolve()
+    if real == cwd or real in cwd.parents:
+        raise ValueError(f"refusing to export to {output!r}: it is the current directory or one of its "
+                         "parents, and exporting replaces the folder (name a new folder)")
+    ckpt = Path(checkpoint).resolve()
+    if real == ckpt or real in ckpt.parents:
+        raise ValueError(f"refusing to export to {output!r}: it holds the checkpoint {str(checkpoint)!r}")
+    if final.is_symlink() or not final.exists():
+        return final
+    if not final.is_dir():
+        raise ValueError(f"refusing to export to {output!r}: it is a file, not a folder")
+    if not force and not (final / EXPORT_MARKER).is_file() and any(final.iterdir()):
+        raise ValueError(f"refusing to replace {output!r}: it is a folder with files that is not a previous "
+                         f"export (no {EXPORT_MARKER}); exporting deletes its contents: pass --force to "
+                         "replace it, or name a new folder")
+    return final
+
+
 def export_hf(
-    checkpoint: str | Path, output: str | Path, *, dtype: str | None = None, adapter_only: bool = False
+    checkpoint: str | Path, output: str | Path, *, dtype: str | None = None, adapter_only: bool = False,
+    force: bool = False,
 ) -> Path:
     """Write the policy of ``checkpoint`` as an HF folder at ``output``; returns its path.
 
     Full weights (LoRA merged, peft's arithmetic) by default; ``adapter_only`` writes a peft adapter
     folder (``adapter_model.safetensors`` + ``adapter_config.json``) instead. ``dtype`` casts the
-    weights (``float32``, ``bfloat16``, ``float16``); default: the checkpoint's dtype.
+    weights (``float32``, ``bfloat16``, ``float16``); default: the checkpoint's dtype. An existing
+    ``output`` is replaced only as `check_output` allows (``force``: any folder but the unsafe ones).
     """
     ckpt_dir = Path(checkpoint)
+    final = check_output(output, ckpt_dir, force=force)
     meta = read_metadata(ckpt_dir)
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}: choose one of {', '.join(DTYPES)}")
@@ -110,7 +142,6 @@ def export_hf(
             name: (t.to(DTYPES[dtype]) if dtype else t).contiguous()
             for name, t in hf_tensors(policy.lm, gather=lambda x: x.detach(), adapter_only=adapter_only)
         }
-    final = Path(output).absolute()
     tmp = final.parent / f".{final.name}.partial"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -121,6 +152,8 @@ def export_hf(
         else:
             _save_shards(tensors, tmp, "model")
             _copy_model_files(base, tmp, dtype)
+        marker = {"checkpoint": str(ckpt_dir.absolute()), "dtype": dtype, "adapter_only": adapter_only}
+        (tmp / EXPORT_MARKER).write_text(json.dumps(marker, indent=2))
         publish_dir(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
