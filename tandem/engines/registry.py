@@ -51,6 +51,7 @@ __all__ = [
     "engines",
     "import_object",
     "registry",
+    "run_section",
 ]
 
 Kind = Literal["inference", "training"]
@@ -137,6 +138,16 @@ class EngineSpec:
 
     def build(self) -> Any:
         return import_object(self.factory, what="engine factory")(self.config, **self.kwargs)
+
+
+def run_section(config: Any, config_class: type, facts: RunFacts) -> tuple[Any, dict[str, Any]]:
+    """What every entry's ``fill`` starts from: the recipe's section (or the class's defaults) and the
+    changes every engine takes from the run: its seed, and its model where the section names none."""
+    section = config if config is not None else config_class(model=facts.model)
+    changes: dict[str, Any] = {"seed": facts.seed}
+    if section.model is None:
+        changes["model"] = facts.model
+    return section, changes
 
 
 def _no_refusals(facts: RunFacts, config: Any) -> dict[str, str]:

@@ -4,11 +4,6 @@ path in a recipe, run every loop mode and `tandem serve` without an edit to Tand
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx2 as httpx
@@ -20,6 +15,7 @@ from tandem.runtime.config import RunConfig
 from tandem.runtime.loop import Run
 from tandem.runtime.tracking import read_metrics
 from tests.runtime import toy_engine
+from tests.serve_helpers import serving
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "tiny" / "grpo-sync.yaml"
@@ -97,40 +93,11 @@ def test_the_saved_config_names_the_plugin_and_reloads(tmp_path):
     assert from_dict(RunConfig, saved) == cfg
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def test_tandem_serve_uses_the_recipes_engine(tmp_path):
-    port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", str(RECIPE), *TOY[:2], "--port", str(port)],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        import time
-
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "tandem serve did not come up"
-            time.sleep(0.2)
+def test_tandem_serve_uses_the_recipes_engine():
+    with serving([str(RECIPE), *TOY[:2]]) as base:
         sid = httpx.post(f"{base}/sessions").json()["id"]
         r = httpx.post(f"{base}/sessions/{sid}/v1/chat/completions", timeout=60,
                        json={"messages": [{"role": "user", "content": "What is 1 + 1?"}], "max_tokens": 3})
         assert r.status_code == 200
         engine = httpx.get(f"{base}/health").json()["engine"]
         assert engine["label"] == "from-the-recipe" and engine["generated_tokens"] >= 1
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()

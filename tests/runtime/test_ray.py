@@ -17,7 +17,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from tandem.config import ConfigError, load_config  # noqa: E402
+from tandem.config import load_config  # noqa: E402
 from tandem.runtime.config import RunConfig  # noqa: E402
 from tandem.runtime.loop import Run  # noqa: E402
 from tandem.runtime.tracking import read_metrics  # noqa: E402
@@ -142,36 +142,12 @@ def test_colocated_layout_shares_bundles_and_sleeps_the_replicas(tmp_path, clust
 @pytest.mark.slow
 def test_tandem_serve_puts_ray_replicas_behind_the_router(cluster):
     """Every turn of a session goes to one replica; both replicas serve sessions."""
-    import os
-    import signal
-    import socket
-    import subprocess
-    import sys
-
     import httpx2 as httpx
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = Path(__file__).parents[2]
-    proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", str(RECIPE), "runtime.placement=ray",
-                             f"ray.address={cluster.address}", "inference.replicas=2",
-                             "ray.engine_resources={engine_node: 0.1}", "ray.torch_threads=1", "--port", str(port)],
-                            cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "tandem serve did not come up"
-            time.sleep(0.3)
-        homes = []
+    from tests.serve_helpers import serving
+
+    with serving([str(RECIPE), "runtime.placement=ray", f"ray.address={cluster.address}", "inference.replicas=2",
+                  "ray.engine_resources={engine_node: 0.1}", "ray.torch_threads=1"], timeout_s=180) as base:
         for _ in range(4):  # four sessions of two turns each
             sid = httpx.post(f"{base}/sessions").json()["id"]
             messages = [{"role": "user", "content": "What is 1 + 1?"}]
@@ -180,36 +156,10 @@ def test_tandem_serve_puts_ray_replicas_behind_the_router(cluster):
                                json={"messages": messages, "max_tokens": 3})
                 assert r.status_code == 200
                 messages += [r.json()["choices"][0]["message"], {"role": "user", "content": "Sure?"}]
-            replicas = httpx.get(f"{base}/health").json()["engine"]["replicas"]
-            homes.append(tuple(row["served"] for row in replicas))
-        served = homes[-1]
-        assert len(served) == 2 and all(n > 0 for n in served) and sum(served) == 8
-        # affinity: each session's two turns landed on one replica (served counts move in steps of 2)
-        assert all(n % 2 == 0 for n in served)
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-
-
-@pytest.mark.parametrize("setting, why", [
-    ("rollout.recompute_log_probs=true", "the router does not route score"),
-    ("sync.quantize={format: int4_sym}", "sends full-precision weights"),
-    ("sync.transport=broadcast", "does not fit runtime.placement='ray'"),
-])
-def test_settings_the_ray_placement_cannot_honour_are_refused(tmp_path, setting, why):
-    cfg = load_config(RunConfig, RECIPE, ["runtime.placement=ray", setting])
-    with pytest.raises(ConfigError, match=why):
-        Run(cfg, tmp_path)  # before Ray is touched
-
-
-def test_bundles_that_cannot_fit_fail_at_once(tmp_path, cluster):
-    t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"do not fit the Ray cluster \(CPU: 102 needed, 4 in the cluster\)"):
-        Run(_cfg(cluster, "ray.trainer_cpus=100"), tmp_path)
-    assert time.monotonic() - t0 < 30  # not after ray.start_timeout_s
+        served = [row["served"] for row in httpx.get(f"{base}/health").json()["engine"]["replicas"]]
+    assert len(served) == 2 and all(n > 0 for n in served) and sum(served) == 8
+    # affinity: each session's two turns landed on one replica (served counts move in steps of 2)
+    assert all(n % 2 == 0 for n in served)
 
 
 def _alive(client) -> bool:

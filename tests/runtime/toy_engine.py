@@ -32,7 +32,7 @@ from tandem.core.protocols import (
     NamedTensors,
 )
 from tandem.core.sample import Sample
-from tandem.engines.registry import EngineEntry, RunFacts
+from tandem.engines.registry import EngineEntry, RunFacts, run_section
 from tandem.models.attention import VarlenAttention
 from tandem.models.registry import ModelConfig, resolve_model
 from tandem.models.transformer import CausalLM
@@ -166,9 +166,8 @@ class ToyEngine:
 
 
 def fill(facts: RunFacts, config: ToyEngineConfig | None) -> ToyEngineConfig:
-    cfg = config or ToyEngineConfig()
-    return dataclasses.replace(cfg, model=cfg.model or facts.model, seed=facts.seed,
-                               max_model_len=min(cfg.max_model_len, facts.max_context))
+    cfg, changes = run_section(config, ToyEngineConfig, facts)  # the run's model and seed
+    return dataclasses.replace(cfg, **changes, max_model_len=min(cfg.max_model_len, facts.max_context))
 
 
 ENTRY = EngineEntry(

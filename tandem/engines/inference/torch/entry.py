@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tandem.engines.registry import EngineEntry, RunFacts
+from tandem.engines.registry import EngineEntry, RunFacts, run_section
 
 __all__ = ["ENTRY"]
 
@@ -15,11 +15,8 @@ def fill(facts: RunFacts, config: Any):
     sized for the run's longest prompt + response (never longer than the section asks)."""
     from tandem.engines.inference.torch.config import TorchEngineConfig
 
-    ec = config or TorchEngineConfig(model=facts.model)
-    changes: dict[str, Any] = {"seed": facts.seed, "max_model_len": min(ec.max_model_len, facts.max_context)}
-    if ec.model is None:
-        changes["model"] = facts.model
-    return dataclasses.replace(ec, **changes)
+    ec, changes = run_section(config, TorchEngineConfig, facts)
+    return dataclasses.replace(ec, **changes, max_model_len=min(ec.max_model_len, facts.max_context))
 
 
 ENTRY = EngineEntry(

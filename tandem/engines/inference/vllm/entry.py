@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tandem.engines.registry import EngineEntry, RunFacts
+from tandem.engines.registry import EngineEntry, RunFacts, run_section
 
 __all__ = ["ENTRY"]
 
@@ -15,10 +15,8 @@ def fill(facts: RunFacts, config: Any):
     LoRA sync, vLLM serves the trainer's adapter with the trainer's scaling and rank."""
     from tandem.engines.inference.vllm.config import VLLMEngineConfig
 
-    ec = config or VLLMEngineConfig(model=facts.model)
-    changes: dict[str, Any] = {"seed": facts.seed, "max_model_len": min(ec.max_model_len, facts.max_context)}
-    if ec.model is None:
-        changes["model"] = facts.model
+    ec, changes = run_section(config, VLLMEngineConfig, facts)
+    changes["max_model_len"] = min(ec.max_model_len, facts.max_context)
     if facts.adapter_sync and facts.lora_rank is not None and ec.lora_alpha is None:
         changes |= {"lora_alpha": facts.lora_alpha, "lora_max_rank": max(ec.lora_max_rank, facts.lora_rank)}
     return dataclasses.replace(ec, **changes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tandem.engines.registry import EngineEntry, RunFacts, TrainerFacts
+from tandem.engines.registry import EngineEntry, RunFacts, TrainerFacts, run_section
 
 __all__ = ["ENTRY"]
 
@@ -16,10 +16,8 @@ def fill(facts: RunFacts, config: Any):
     mode of ``sync.lora_mode``."""
     from tandem.engines.training.fsdp.config import CriticConfig, FSDPConfig, RefConfig
 
-    fc = config or FSDPConfig(model=facts.model)
-    changes: dict[str, Any] = {"seed": facts.seed, "temperature": facts.temperature or 1.0}
-    if fc.model is None:
-        changes["model"] = facts.model
+    fc, changes = run_section(config, FSDPConfig, facts)
+    changes["temperature"] = facts.temperature or 1.0
     if facts.needs_ref and fc.ref is None:
         changes["ref"] = RefConfig()
     if facts.needs_critic and fc.critic is None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tandem.engines.registry import EngineEntry, RunFacts, TrainerFacts
+from tandem.engines.registry import EngineEntry, RunFacts, TrainerFacts, run_section
 
 __all__ = ["ENTRY"]
 
@@ -16,10 +16,8 @@ def fill(facts: RunFacts, config: Any):
     reference for a KL term."""
     from tandem.engines.training.megatron.config import MegatronConfig, MegatronRefConfig
 
-    mc = config or MegatronConfig(model=facts.model)
-    changes: dict[str, Any] = {"seed": facts.seed, "temperature": facts.temperature or 1.0}
-    if mc.model is None:
-        changes["model"] = facts.model
+    mc, changes = run_section(config, MegatronConfig, facts)
+    changes["temperature"] = facts.temperature or 1.0
     if facts.needs_ref and mc.ref is None:
         changes["ref"] = MegatronRefConfig()
     return dataclasses.replace(mc, **changes)
