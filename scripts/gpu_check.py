@@ -18,9 +18,9 @@ finding, recorded in the JSON, not a reason to lose the rest of the run.
 
 ``--dry-run`` (or ``TANDEM_GPU_DRY=1``) runs the same orchestration on a CPU machine: each part runs its
 dry command instead (``pytest --collect-only`` for tests, ``--dry-run`` for a bench script: arguments
-and imports checked, configs validated, CUDA never touched) and is marked ``dry``. The guard's clock
-then charges each part its estimate instead of the wall time, so a dry run with a given budget shows
-which parts a real run with that budget would reach (tests/test_gpu_check.py runs it).
+and imports checked, configs validated, CUDA never touched) and is marked ``dry``. The guard decides
+as in a real run (a budget smaller than a part's estimate skips it with the note); only the kill limit
+differs: a dry part is not on borrowed time. tests/test_gpu_check.py runs the dry mode.
 """
 
 from __future__ import annotations
@@ -54,7 +54,8 @@ class Part:
 
     ``est_s`` is what the guard reserves before starting the part (measured or estimated on an H200,
     Triton compile cache empty); ``limit_s`` is when the part is killed even if budget is left.
-    ``requires``: modules that must be importable here, else the part is skipped saying which.
+    ``requires``: modules that must be importable here, else the part is skipped saying which;
+    ``unavailable``: a reason known when the parts are made (the part is skipped with it).
     """
 
     name: str
@@ -65,6 +66,7 @@ class Part:
     dry_argv: list[str]
     requires: tuple[str, ...] = ()
     aims: Callable[[dict], dict] | None = None
+    unavailable: str | None = None
 
 
 def _aim(value, aim: str) -> dict:
@@ -106,7 +108,8 @@ def gpu_test_files() -> list[str]:
 
 
 def make_parts(py: str) -> list[Part]:
-    """The parts in priority order: a tight budget keeps the first ones."""
+    """The parts in priority order: a tight budget keeps the first ones. The contract goes before the
+    engine's throughput: whether the exact contract holds on CUDA at all is the bigger unknown."""
     pytest = [py, "-m", "pytest", "-q", "-p", "no:cacheprovider"]
     collect = [py, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"]
     gpu_files = gpu_test_files()
@@ -120,15 +123,16 @@ def make_parts(py: str) -> list[Part]:
         Part("env", "versions, GPU, import of every tandem module, copy bandwidth and bf16 matmul ceilings",
              25, 90, [py, me, "--probe"], [py, me, "--probe", "--dry-run"]),
         Part("gpu_tests", f"pytest -m gpu: {', '.join(gpu_files)}", 120, 240,
-             [*pytest, "-m", "gpu", *gpu_files], [*collect, "-m", "gpu", *gpu_files], requires=("pytest",)),
+             [*pytest, "-m", "gpu", *gpu_files], [*collect, "-m", "gpu", *gpu_files], requires=("pytest",),
+             unavailable=None if gpu_files else "no test file under tests/ marks tests gpu"),
         Part("kernels", "FP8 / MXFP8 / INT4 Triton kernels: GB/s vs a device copy", 40, 150,
              *bench("kernels_gpu.py", "--skip-tests"), aims=kernel_aims),
         Part("sync", "CUDA IPC weight sync GB/s vs a device copy (NCCL with >= 2 GPUs)", 50, 150,
              *bench("sync_gpu.py", "--skip-tests"), aims=sync_aims),
-        Part("engine", "embedded engine tokens/s at 1/32/256 sequences, FSDP2 train tokens/s", 90, 200,
-             *bench("engine_gpu.py")),
         Part("contract", "batch-invariant ops, bit-exact rollout vs trainer log-probs, exact/default step time",
              130, 280, *bench("contract_gpu.py"), aims=contract_aims),
+        Part("engine", "embedded engine tokens/s at 1/32/256 sequences, FSDP2 train tokens/s", 90, 200,
+             *bench("engine_gpu.py")),
         Part("kernel_suite", "the whole tests/kernels suite on CUDA (compiled Triton, not the interpreter)",
              90, 200, [*pytest, "-m", "not gpu and not slow", "tests/kernels"],
              [*collect, "-m", "not gpu and not slow", "tests/kernels"],
@@ -165,10 +169,14 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def run_command(argv: list[str], timeout_s: float, log, *, env: dict | None = None) -> Outcome:
-    """Run ``argv`` in a new process group, streaming its output to ``log`` and stdout; kill at ``timeout_s``."""
+    """Run ``argv`` in a new process group, streaming its output to ``log`` and stdout; kill at ``timeout_s``.
+
+    A process group, not a new session: whoever ends this command's session (the device tool does when
+    a call returns) still reaches the part's processes, and the guard can kill the part with its children.
+    """
     start = time.monotonic()
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            errors="replace", start_new_session=True, env=env)
+                            errors="replace", process_group=0, env=env)
     tail: deque[str] = deque(maxlen=60)
     last_result: list[str] = []
 
@@ -190,6 +198,9 @@ def run_command(argv: list[str], timeout_s: float, log, *, env: dict | None = No
     except subprocess.TimeoutExpired:
         timed_out = True
         _kill_group(proc)
+    except BaseException:  # the orchestrator is being stopped (SIGTERM, Ctrl-C): take the part along
+        _kill_group(proc)
+        raise
     reader.join(KILL_GRACE_S)  # a grandchild that left the group may hold the pipe: do not wait for it
     result = None
     if last_result:
@@ -233,7 +244,6 @@ class Check:
     def __init__(self, out_dir: Path, parts: list[Part], *, budget_s: float, dry: bool) -> None:
         self.out_dir, self.parts, self.budget_s, self.dry = out_dir, parts, budget_s, dry
         self.started = time.monotonic()
-        self.charged = 0.0  # dry mode: the simulated clock (sum of the estimates of the parts run)
         self.doc: dict = {
             "tandem_gpu_check": 1,
             "started": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
@@ -245,7 +255,7 @@ class Check:
         }
 
     def elapsed(self) -> float:
-        return self.charged if self.dry else time.monotonic() - self.started
+        return time.monotonic() - self.started
 
     def write(self) -> None:
         self.doc["elapsed_s"] = round(time.monotonic() - self.started, 1)
@@ -259,13 +269,29 @@ class Check:
 
     def run(self, log) -> dict:
         self.write()
+        try:
+            self._run_all(log)
+        except BaseException:  # stopped from outside: keep what was measured, say where it stopped
+            for entry in self.doc["parts"].values():
+                if entry["status"] in ("pending", "running"):
+                    entry.update(status="skipped" if entry["status"] == "pending" else "timeout",
+                                 reason="the check was stopped from outside")
+            self.write()
+            raise
+        self.doc["finished"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+        self.write()
+        return self.doc
+
+    def _run_all(self, log) -> None:
         for part in self.parts:
             entry = self.doc["parts"][part.name]
             argv = part.dry_argv if self.dry else part.argv
             entry["command"] = " ".join(argv)
             remaining = self.budget_s - self.elapsed()
             missing = missing_modules(part.requires)
-            if missing:
+            if part.unavailable:
+                entry.update(status="skipped", reason=part.unavailable)
+            elif missing:
                 entry.update(status="skipped", reason=f"not installed here: {', '.join(missing)}")
             elif part.est_s > remaining:
                 entry.update(status="skipped", reason=f"budget: needs ~{part.est_s:.0f} s, {max(remaining, 0):.0f} s "
@@ -273,20 +299,20 @@ class Check:
             else:
                 limit = DRY_LIMIT_S if self.dry else min(part.limit_s, remaining)
                 self._run_part(part, argv, limit, entry, log)
+            if part.name == "env" and not self.dry and _dig(entry, "result", "cuda_available") is False:
+                self.doc["warning"] = "no CUDA device here: the GPU parts fail or skip (use --dry-run on a CPU machine)"
+                print(f"[gpu_check] warning: {self.doc['warning']}", flush=True)
             print(f"[gpu_check] {part.name}: {entry['status']}"
                   + (f" ({entry['reason']})" if entry.get("reason") else ""), flush=True)
             self.write()
-        self.doc["finished"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
-        self.write()
-        return self.doc
 
     def _run_part(self, part: Part, argv: list[str], limit: float, entry: dict, log) -> None:
         log.write(f"\n===== {part.name}: {' '.join(argv)}  (est {part.est_s:.0f} s, limit {limit:.0f} s)\n")
         log.flush()
         print(f"[gpu_check] {part.name}: starting (est {part.est_s:.0f} s, limit {limit:.0f} s)", flush=True)
+        entry["status"] = "running"
+        self.write()
         out = run_command(argv, limit, log)
-        if self.dry:
-            self.charged += part.est_s
         entry.update(limit_s=round(limit, 1), wall_s=round(out.wall_s, 1), returncode=out.returncode)
         if argv[1:3] == ["-m", "pytest"]:
             entry["result"] = _pytest_figures(out.tail)
@@ -344,12 +370,12 @@ def _import_sweep() -> dict:
         failed.setdefault(name, f"{sys.exc_info()[0].__name__}: {sys.exc_info()[1]}"[:300])
 
     for mod in pkgutil.walk_packages(tandem.__path__, "tandem.", onerror=walk_error):
-        if mod.name in failed:
+        if mod.name in failed or mod.name.endswith(".__main__"):  # __main__ runs the CLI when imported
             continue
         try:
             importlib.import_module(mod.name)
             ok += 1
-        except Exception as e:  # noqa: BLE001 - recorded, not fatal: which modules need what is the finding
+        except (Exception, SystemExit) as e:  # recorded, not fatal: which modules need what is the finding
             failed[mod.name] = f"{type(e).__name__}: {e}"[:300]
     return {"imported": ok, "failed": failed}
 
@@ -406,6 +432,10 @@ def _cuda_time(fn, repeats: int = 10) -> float:
 # -- command line -----------------------------------------------------------------------------------------------
 
 
+def _stop(signum, frame) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def _out_dir(arg: str | None) -> Path:
     return Path(arg or os.environ.get("OUT") or "gpu_check_out").resolve()
 
@@ -447,6 +477,8 @@ def main(argv: list[str] | None = None) -> int:
     check = Check(out_dir, parts, budget_s=budget, dry=dry)
     print(f"[gpu_check] {'dry run, ' if dry else ''}budget {budget:.0f} s, {len(parts)} parts, writing {out_dir}",
           flush=True)
+    # SIGTERM (a caller's timeout) unwinds like Ctrl-C: the running part is killed, the JSON kept
+    signal.signal(signal.SIGTERM, _stop)
     with open(out_dir / LOG_NAME, "w") as log:
         doc = check.run(log)
     print(f"[gpu_check] done in {doc['elapsed_s']} s: {doc['summary']}")

@@ -21,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-PARTS = ["env", "gpu_tests", "kernels", "sync", "engine", "contract", "kernel_suite", "megatron"]
+PARTS = ["env", "gpu_tests", "kernels", "sync", "contract", "engine", "kernel_suite", "megatron"]
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
 NAME_OK = re.compile(r"^[A-Za-z0-9._-]+$")  # what the device tool brings back from $OUT
 
@@ -95,13 +95,13 @@ def test_output_layout_fits_what_the_device_tool_returns(full_dry):
 
 
 def test_budget_guard_skips_what_the_budget_cannot_hold(tmp_path):
-    doc = _dry(tmp_path / "out", budget=30)  # the env probe (~25 s) fits, nothing after it does
+    doc = _dry(tmp_path / "out", budget=35)  # the env probe (est 25 s) fits; no later part (est >= 40 s) does
     parts = doc["parts"]
     assert parts["env"]["status"] == "dry"
     for name in PARTS[1:]:
         assert parts[name]["status"] == "skipped", (name, parts[name])
         if name != "megatron" or HAS_MEGATRON:
-            assert re.match(r"budget: needs ~\d+ s, \d+ s of 30 s left", parts[name]["reason"]), parts[name]
+            assert re.match(r"budget: needs ~\d+ s, \d+ s of 35 s left", parts[name]["reason"]), parts[name]
 
 
 def test_guard_moves_on_to_cheaper_parts_and_a_failed_part_is_a_finding(tmp_path, capsys):
@@ -168,3 +168,35 @@ def test_list_names_every_part(capsys):
     assert gc.main(["--list"]) == 0
     listed = [line.split()[0] for line in capsys.readouterr().out.splitlines()]
     assert listed == PARTS
+
+
+def test_a_check_stopped_from_outside_keeps_its_json_and_takes_the_part_along(tmp_path):
+    """What a caller's timeout does (SIGTERM): the running part is killed, the JSON says where it stopped."""
+    hang = "import time; print('PART', __import__('os').getpid(), flush=True); time.sleep(120)"
+    driver = (
+        "import signal, sys, importlib.util\n"
+        f"spec = importlib.util.spec_from_file_location('gpu_check', {str(ROOT / 'scripts' / 'gpu_check.py')!r})\n"
+        "gc = importlib.util.module_from_spec(spec); sys.modules['gpu_check'] = gc; spec.loader.exec_module(gc)\n"
+        "signal.signal(signal.SIGTERM, gc._stop)\n"
+        f"parts = [gc.Part('hangs', 'sleeps', 1, 100, [sys.executable, '-c', {hang!r}], []),\n"
+        "         gc.Part('after', 'never starts', 1, 100, [sys.executable, '-c', 'pass'], [])]\n"
+        f"with open({str(tmp_path / 'log')!r}, 'w') as log:\n"
+        f"    gc.Check(gc.Path({str(tmp_path)!r}), parts, budget_s=200, dry=False).run(log)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+    part_pid = None
+    for line in proc.stdout:  # wait until the part runs
+        if line.startswith("PART"):
+            part_pid = int(line.split()[1])
+            break
+    proc.terminate()
+    proc.communicate(timeout=30)
+    assert proc.returncode != 0  # stopped: not a normal end
+    doc = json.loads((tmp_path / "gpu_check.json").read_text())
+    assert doc["parts"]["hangs"]["status"] == "timeout"
+    assert doc["parts"]["after"]["status"] == "skipped"
+    assert all(e["reason"] == "the check was stopped from outside" for e in doc["parts"].values())
+    deadline = time.monotonic() + 10
+    while _alive(part_pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(part_pid)

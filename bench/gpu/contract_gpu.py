@@ -2,6 +2,7 @@
 
     python bench/gpu/contract_gpu.py [--dtype bfloat16] [--steps 3]
     python bench/gpu/contract_gpu.py --dry-run      # builds and validates both run configs; no CUDA
+    python bench/gpu/contract_gpu.py --device cpu --model tiny-llama --steps 1   # CPU smoke of the logic
 
 On CPU the contract holds bit for bit (tests/runtime/test_contracts.py, bench/true_on_policy.py). Whether
 it holds on CUDA depends on cuBLAS and the CUDA kernels behind ``tandem.ops`` keeping a row's result
@@ -23,7 +24,9 @@ sections, on the random SmolLM2-shaped model of engine_gpu.py (shapes are what m
    than fatal). Median seconds per step after a warm-up step, ``exact_vs_default_step_time``
    (aim <= 1.3) and the largest train/rollout log-prob difference each mode saw (exact: 0).
 
-Ends with one line ``RESULT {json}``; exits 1 when the exact mode is not bit-exact (or without CUDA).
+``--device cpu`` runs the same code on the CPU, where the contract is known to hold: a smoke test of the
+script, not a measurement. Ends with one line ``RESULT {json}``; exits 1 when the exact mode is not
+bit-exact (or without CUDA).
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.gpu.engine_gpu import RANDOM_MODEL, model_path  # noqa: E402
+from bench.gpu.engine_gpu import RANDOM_MODEL, model_path, model_vocab  # noqa: E402
 
 AIM_STEP_RATIO = 1.3
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -102,14 +105,14 @@ def ops_section(device: torch.device) -> dict:
 # -- 2. engine vs trainer log-probs ------------------------------------------------------------------------
 
 
-def _rollout_batch(engine, seed: int = 0):
+def _rollout_batch(engine, vocab: int, seed: int = 0):
     from tandem.core.batch import TrainBatch
     from tandem.core.protocols import GenerationRequest, SamplingParams
     from tandem.core.sample import Sample
 
     g = torch.Generator().manual_seed(seed)
     lengths = [5, 61, 17, 1, 33, 90, 12, 48]
-    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in lengths]
+    prompts = [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
     reqs = [GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(temperature=1.0, max_new_tokens=40,
                                                                           seed=i, n=2))
             for i, p in enumerate(prompts)]
@@ -123,7 +126,7 @@ def _rollout_batch(engine, seed: int = 0):
     return TrainBatch.from_samples(samples, pad_token_id=2)
 
 
-def logprob_section(path: str) -> dict:
+def logprob_section(path: str, device: str) -> dict:
     from tandem.engines.inference.torch import TorchEngine, TorchEngineConfig
     from tandem.engines.training.fsdp import FSDPConfig, FSDPEngine
     from tandem.models import ModelConfig
@@ -132,12 +135,12 @@ def logprob_section(path: str) -> dict:
     for dtype in DTYPES:
         for deterministic in (True, False):
             model = ModelConfig(name=path, dtype=dtype)
-            engine = TorchEngine(TorchEngineConfig(model=model, device="cuda", max_num_seqs=6, max_model_len=192,
+            engine = TorchEngine(TorchEngineConfig(model=model, device=device, max_num_seqs=6, max_model_len=192,
                                                    prefill_chunk=48, deterministic=deterministic))
-            batch = _rollout_batch(engine)
+            batch = _rollout_batch(engine, model_vocab(path))
             engine.close()
             del engine
-            trainer = FSDPEngine(FSDPConfig(model=model, device="cuda", micro_batch_tokens=256,
+            trainer = FSDPEngine(FSDPConfig(model=model, device=device, micro_batch_tokens=256,
                                             deterministic=deterministic))
             train = trainer.forward_logprobs(batch).log_probs
             trainer.close()
@@ -149,12 +152,17 @@ def logprob_section(path: str) -> dict:
             out[f"{key}_unequal_tokens"] = f"{int((diff > 0).sum())}/{int(mask.sum())}"
             print(f"log-probs {key:24s}: max |train - rollout| = {float(diff.max()):.3g}, "
                   f"unequal tokens {out[f'{key}_unequal_tokens']}", flush=True)
-            torch.cuda.empty_cache()
+            _empty_cache()
     out["bit_exact"] = all(out[f"{d}_deterministic_max_abs_diff"] == 0.0 for d in DTYPES)
     return out
 
 
 # -- 3. the loop: step time exact / default ----------------------------------------------------------------
+
+
+def _empty_cache() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _merge(a: dict, b: dict) -> dict:
@@ -183,8 +191,8 @@ def run_config(mode: str, path: str, args):
         "rollout": {"prompts_per_step": args.prompts, "n_samples_per_prompt": args.group,
                     "sampling": {"temperature": 1.0, "max_new_tokens": args.max_new_tokens}},
         "reward": {"terms": [{"name": "bench.gpu.contract_gpu:even_tokens"}]},
-        "trainer": {"fsdp": {"device": "cuda", "micro_batch_tokens": 8192, "optimizer": {"lr": 1e-6}}},
-        "inference": {"torch": {"device": "cuda", "max_num_seqs": args.prompts * args.group}},
+        "trainer": {"fsdp": {"device": args.device, "micro_batch_tokens": 8192, "optimizer": {"lr": 1e-6}}},
+        "inference": {"torch": {"device": args.device, "max_num_seqs": args.prompts * args.group}},
         "tracking": {"progress": False},
     }
     return from_dict(RunConfig, _merge(base, MODES[mode]))
@@ -204,9 +212,10 @@ def loop_section(path: str, args) -> dict:
         med[mode] = statistics.median(r["time/step_s"] for r in rows)
         diff = max(r["train_rollout_logprob_abs_diff/max"] for r in rows)
         out[f"{mode}_s_per_step"] = round(med[mode], 4)
+        out[f"{mode}_step_s"] = [round(r["time/step_s"], 4) for r in rows]
         out[f"{mode}_train_rollout_abs_diff_max"] = diff
         print(f"loop {mode:8s}: {med[mode]:.3f} s/step, max |train - rollout| log-prob = {diff:.3g}", flush=True)
-        torch.cuda.empty_cache()
+        _empty_cache()
     out["exact_vs_default_step_time"] = round(med["exact"] / med["default"], 3)
     out["loop_bit_exact"] = out["exact_train_rollout_abs_diff_max"] == 0.0
     return out
@@ -221,6 +230,7 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--steps", type=int, default=3, help="timed loop steps (after one warm-up step)")
     p.add_argument("--sections", default="ops,logprobs,loop")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the logic")
     p.add_argument("--dry-run", action="store_true", help="build and validate the run configs; no CUDA")
     args = p.parse_args()
     sections = args.sections.split(",")
@@ -236,20 +246,23 @@ def main() -> None:
         print("RESULT " + json.dumps({"dry": True, "sections": sections, "modes": list(configs),
                                       "exact_contract": configs["exact"].algorithm.contract.expect}))
         return
-    if not torch.cuda.is_available():
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
         print('RESULT {"error": "no CUDA device"}')
         sys.exit(1)
     t0 = time.perf_counter()
-    result: dict = {"model": args.model, "dtype": args.dtype, "device": torch.cuda.get_device_name()}
+    result: dict = {"model": args.model, "dtype": args.dtype,
+                    "device": torch.cuda.get_device_name() if cuda else "cpu"}
     if "ops" in sections:
-        result["ops"] = ops_section(torch.device("cuda"))
-        print(f"ops: invariant on CUDA = {result['ops']['invariant']}", flush=True)
+        result["ops"] = ops_section(torch.device(args.device))
+        print(f"ops: invariant on {args.device} = {result['ops']['invariant']}", flush=True)
     path = model_path(args.model)
     if "logprobs" in sections:
-        result["logprobs"] = logprob_section(path)
+        result["logprobs"] = logprob_section(path, args.device)
     if "loop" in sections:
         result["loop"] = loop_section(path, args)
         result["exact_vs_default_step_time"] = result["loop"]["exact_vs_default_step_time"]
+        result["exact_vs_default_aim"] = AIM_STEP_RATIO
     exact = [result[s][k] for s, k in (("logprobs", "bit_exact"), ("loop", "loop_bit_exact")) if s in result]
     result["bit_exact"] = all(exact) if exact else None
     result["wall_s"] = round(time.perf_counter() - t0, 1)

