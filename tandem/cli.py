@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "config": "validate a recipe with overrides and print the resolved config",
     "models": "list the model registry or prepare a model in the cache",
     "export": "write a training checkpoint's policy as an HF safetensors folder",
+    "eval": "evaluate a run, a checkpoint or a model on a recipe's eval sets",
     "report": "write PNG plots and a summary of a run directory",
     "train": "run the RL loop on a recipe (GRPO, PPO, ...)",
     "serve": "serve OpenAI-compatible chat sessions (token-in-token-out) for agents",

@@ -183,7 +183,7 @@ def _parse_override(item: str) -> tuple[list[str], Any]:
     if not key or any(not part for part in key.split(".")):
         raise ConfigError(f"override {item!r} has an empty key")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _load_yaml_strict(raw, f"override {item!r}") if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key.split("."), value
@@ -205,7 +205,7 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
     return data
 
 
-def _check_duplicate_keys(node: yaml.Node, path: str, where: Path, seen_nodes: set[int]) -> None:
+def _check_duplicate_keys(node: yaml.Node, path: str, where: str, seen_nodes: set[int]) -> None:
     """Raise `ConfigError` for a mapping that names a key twice (YAML would keep the last one silently)."""
     if id(node) in seen_nodes:  # an alias of a node already checked (or a recursive one)
         return
@@ -230,7 +230,7 @@ def _check_duplicate_keys(node: yaml.Node, path: str, where: Path, seen_nodes: s
             _check_duplicate_keys(item, f"{path}[{i}]", where, seen_nodes)
 
 
-def _load_yaml_strict(text: str, where: Path) -> Any:
+def _load_yaml_strict(text: str, where: str) -> Any:
     """``yaml.safe_load`` that refuses duplicate mapping keys."""
     loader = yaml.SafeLoader(text)
     try:
@@ -250,7 +250,7 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
     if not p.is_file():
         raise ConfigError(f"recipe file not found: {p}")
     try:
-        data = _load_yaml_strict(p.read_text(), p) or {}
+        data = _load_yaml_strict(p.read_text(), str(p)) or {}
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""

@@ -1,4 +1,7 @@
-"""``tandem export CHECKPOINT OUTPUT``: a training checkpoint's policy as an HF safetensors folder."""
+"""``tandem export TARGET OUTPUT``: a training checkpoint's policy as an HF safetensors folder.
+
+TARGET: a run directory (its latest checkpoint), ``RUN_DIR/checkpoints/step_K`` or a trainer checkpoint
+(tandem/runtime/targets.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +10,8 @@ import sys
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    p.add_argument("checkpoint", help="checkpoint directory written by the training engine")
+    p.add_argument("checkpoint", metavar="TARGET",
+                   help="a run directory (its latest checkpoint), RUN_DIR/checkpoints/step_K, or a trainer checkpoint")
     p.add_argument("output", help="folder to write; an existing one is replaced only if it is empty or a "
                                   "previous export (else see --force)")
     p.add_argument(
@@ -28,9 +32,11 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from tandem.engines.training.fsdp.export import export_hf
+    from tandem.runtime.targets import resolve_target
 
     try:
-        out = export_hf(args.checkpoint, args.output, dtype=args.dtype, adapter_only=args.adapter_only,
+        checkpoint = resolve_target(args.checkpoint).require_checkpoint("tandem export")
+        out = export_hf(checkpoint, args.output, dtype=args.dtype, adapter_only=args.adapter_only,
                         force=args.force)
     except (FileNotFoundError, ValueError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)

@@ -1,8 +1,10 @@
-"""``tandem report RUN_DIR``: PNG plots (reward, length, KL, entropy, phase times) and a summary."""
+"""``tandem report RUN_DIR``: PNG plots (reward, length, KL, entropy, phase times, eval), a summary and an
+HTML page (``report/report.html``) holding them, the eval table and the config."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -15,9 +17,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = write_report(args.run_dir)
     except FileNotFoundError as e:
-        print(f"tandem: error: {e}")
+        print(f"tandem: error: {e}", file=sys.stderr)
         return 2
     for k, v in summary.items():
         print(f"{k}: {v}")
-    print(f"plots in {args.run_dir}/report/")
+    print(f"plots and report.html in {args.run_dir}/report/")
     return 0

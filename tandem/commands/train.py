@@ -1,4 +1,4 @@
-"""``tandem train RECIPE [key=value ...] [--resume RUN_DIR]``: run the RL loop."""
+"""``tandem train RECIPE [key=value ...] [--resume RUN_DIR | RUN_DIR/checkpoints/step_K]``: run the RL loop."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", help="YAML recipe file")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. run.steps=5")
     p.add_argument("--run-dir", help="output folder (default: <run.output_dir>/<run.name>)")
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its latest checkpoint")
+    p.add_argument("--resume", metavar="TARGET",
+                   help="continue a run: its directory (from its latest checkpoint) or one of its checkpoints "
+                        "(RUN_DIR/checkpoints/step_K)")
     p.add_argument("--debug-train-only", metavar="DUMP_DIR",
                    help="train on the rollouts a run dumped (rollout.dump=true) instead of generating")
     p.add_argument("--overwrite", action="store_true", help="replace a previous run in the run directory")
@@ -36,10 +38,25 @@ def run(args: argparse.Namespace) -> int:
     from tandem.runtime.preemption import Preempted
     from tandem.runtime.watchdog import SkippedStepsError, Stalled
 
-    run_dir = Path(args.resume or args.run_dir or Path(cfg.run.output_dir) / cfg.run.name)
+    resume_from = None
+    if args.resume:
+        from tandem.config import ConfigError
+        from tandem.runtime.targets import TargetError, resolve_target
+
+        try:
+            target = resolve_target(args.resume)
+        except TargetError as e:
+            raise ConfigError(f"--resume: {e}") from None
+        if target.kind not in ("run", "run_checkpoint"):
+            raise ConfigError(f"--resume {args.resume}: a {target.kind.replace('_', ' ')} is not a run to continue "
+                              "(give the run directory or RUN_DIR/checkpoints/step_K)")
+        run_dir = target.run_dir
+        resume_from = target.run_checkpoint if target.kind == "run_checkpoint" else None
+    else:
+        run_dir = Path(args.run_dir or Path(cfg.run.output_dir) / cfg.run.name)
     try:
         with _sigterm_interrupts():  # while it builds: a SIGTERM releases what exists (the loop handles later ones)
-            run = Run(cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite)
+            run = Run(cfg, run_dir, resume=bool(args.resume), overwrite=args.overwrite, resume_from=resume_from)
     except (FileExistsError, FileNotFoundError, CheckpointError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2

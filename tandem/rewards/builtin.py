@@ -31,6 +31,12 @@ def last_number(text: str) -> float | None:
     return _to_number(found[-1]) if found else None
 
 
+def first_number(text: str) -> float | None:
+    """The first number in ``text`` (thousands separators allowed), or None."""
+    found = _NUMBER.findall(text)
+    return _to_number(found[0]) if found else None
+
+
 def _label_number(label: Any) -> float | None:
     if isinstance(label, bool):
         return None

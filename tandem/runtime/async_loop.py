@@ -132,6 +132,7 @@ def train_fully_async(run: Run) -> None:
     try:
         for step in range(run.step, cfg.run.steps):
             t0 = time.perf_counter()
+            evaluated = run.eval_at(step)  # beside the producer: eval requests join the engine's batch
             run.phase(step, "wait for rollouts")
             batch: list[Sample] = []
             every: list[Sample] = []
@@ -168,7 +169,7 @@ def train_fully_async(run: Run) -> None:
                         "async/regenerated": float(producer.regenerated - regenerated_before)}
             if cfg.rollout.dump:
                 run.dump(step, every)
-            metrics |= run.train_on(step, batch)
+            metrics |= evaluated | run.train_on(step, batch)
             metrics |= run.sync_weights()
             if not cfg.runtime.partial_rollouts:
                 run.engine.abort_all()  # in-flight groups are regenerated with the new weights

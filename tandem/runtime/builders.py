@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import secrets
 from typing import Any
 
 from tandem.config import ConfigError
@@ -193,13 +194,19 @@ def check_placement(cfg: RunConfig) -> None:
 
 def build_separate(cfg: RunConfig, plan: EnginePlan | None = None):
     """``(RemoteEngine, sender)`` for the separate placement. The sender comes first: a broadcast
-    sender hosts the rendezvous on a free port, which the engine process is then told."""
+    sender hosts the rendezvous on a free port, which the engine process is then told.
+
+    Sender and engine share a secret (``sync.secret``, else ``$TANDEM_SYNC_SECRET``, else a random one
+    for this run): the engine process gets it with its spec over its private connection, never on a
+    command line or in a file."""
     spec = inference_engine_spec(cfg, plan)
+    secret = cfg.sync.resolved_secret() or secrets.token_hex(32)
     sender = build_sender(cfg.sync)
-    engine_sync = cfg.sync
+    inner = getattr(sender, "sender", sender)  # under a quantize-on-send wrapper
+    inner.secret = secret.encode()  # before the first send (build_sender takes no secret)
+    engine_sync = dataclasses.replace(cfg.sync, secret=secret)
     if cfg.sync.transport == "broadcast":
-        inner = getattr(sender, "sender", sender)  # under a quantize-on-send wrapper
-        engine_sync = dataclasses.replace(cfg.sync, host=inner.host, port=inner.port)
+        engine_sync = dataclasses.replace(engine_sync, host=inner.host, port=inner.port)
     try:
         return RemoteEngine(spec, sync=engine_sync), sender
     except BaseException:

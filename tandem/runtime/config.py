@@ -21,6 +21,7 @@ from tandem.rewards.hub import RewardConfig
 from tandem.rollout.agent import AgentConfig
 from tandem.rollout.data import DataConfig
 from tandem.rollout.generate import SamplingConfig
+from tandem.runtime.evaluation import EvalConfig
 from tandem.runtime.tracking import TrackingConfig
 from tandem.sync.base import SyncConfig
 
@@ -266,6 +267,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     ray: RayConfig = field(default_factory=RayConfig)  # runtime.placement: ray
+    eval: EvalConfig = field(default_factory=EvalConfig)  # held-out sets (tandem/runtime/evaluation.py)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
     def __post_init__(self) -> None:

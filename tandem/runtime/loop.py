@@ -39,12 +39,19 @@ from tandem.models import load_tokenizer
 from tandem.rewards.hub import RewardHub
 from tandem.rollout.data import DataSource
 from tandem.runtime import builders
-from tandem.runtime.checkpoint import check_resume_target, restore_latest, rng_state, save_run_checkpoint
+from tandem.runtime.checkpoint import (
+    check_resume_target,
+    load_run_state,
+    restore_latest,
+    rng_state,
+    save_run_checkpoint,
+)
 from tandem.runtime.config import RunConfig
 from tandem.runtime.engine_wire import EngineProcessError
+from tandem.runtime.evaluation import Evaluator
 from tandem.runtime.metrics import rollout_metrics, staleness_metrics
 from tandem.runtime.policy import merge_mini_batch_metrics, mini_batch_rows, old_log_prob_source, run_contract
-from tandem.runtime.preemption import Preempted, StopSignals, _Stuck
+from tandem.runtime.preemption import Preempted, StopSignals, StuckInterrupt
 from tandem.runtime.progress import Progress
 from tandem.runtime.rollouts import Rollouts
 from tandem.runtime.tracking import Tracker
@@ -59,8 +66,13 @@ log = logging.getLogger(__name__)
 class Run:
     """One training run. ``Run(cfg, run_dir).train()`` runs it to ``cfg.run.steps``."""
 
-    def __init__(self, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, overwrite: bool = False) -> None:
+    def __init__(self, cfg: RunConfig, run_dir: str | Path, *, resume: bool = False, overwrite: bool = False,
+                 resume_from: str | Path | None = None) -> None:
+        """``resume``: continue from the run's newest good checkpoint, or from ``resume_from`` (one of its
+        ``checkpoints/step_K`` folders) when given."""
         run_dir = Path(run_dir)
+        self._resume_from = Path(resume_from) if resume_from is not None else None
+        resume = resume or self._resume_from is not None
         previous = (run_dir / "metrics.jsonl").exists() or (run_dir / "checkpoints").exists()
         if previous and not resume and not overwrite:
             raise FileExistsError(
@@ -86,6 +98,7 @@ class Run:
         self.engine: Any = None
         self.sync: Any = None
         self.trainer: Any = None
+        self.evaluator: Evaluator | None = None
         self.separate = cfg.runtime.placement == "separate"
         self.cluster: Any = None  # runtime.placement: ray (tandem.runtime.ray.placement.RayPlacement)
         if cfg.runtime.placement == "ray":
@@ -121,6 +134,9 @@ class Run:
         builders.check_built(self.plan, self.trainer.info, engine_info)
         self.rollouts = Rollouts(cfg, generate=self.generate_fn, engine=self.engine, tokenizer=self.tokenizer,
                                  rewards=self.rewards, data=self.data, routed_experts=self.trainer.info.routed_experts)
+        self.evaluator = Evaluator(cfg.eval, engine=self.engine, tokenizer=self.tokenizer, generate=self.generate_fn,
+                                   run_reward=cfg.reward, rollout_config=cfg.rollout,
+                                   routed_experts=self.trainer.info.routed_experts) if cfg.eval.sets else None
         self.kl_ctl = cfg.algorithm.kl_controller()
         self.contract = run_contract(cfg, self.trainer.info, self.engine.info,
                                      hints={**self.plan.trainer.hints, **self.plan.engine.hints})
@@ -131,7 +147,10 @@ class Run:
         self.step, self.version = 0, 0
         resume_step = None
         if resume:
-            found = restore_latest(self.run_dir, self.trainer, bucket_bytes=cfg.sync.bucket_bytes)
+            found = (restore_latest(self.run_dir, self.trainer, bucket_bytes=cfg.sync.bucket_bytes)
+                     if self._resume_from is None else
+                     (self._resume_from, load_run_state(self._resume_from, self.trainer,
+                                                        bucket_bytes=cfg.sync.bucket_bytes)))
             if found is None:
                 raise FileNotFoundError(f"--resume: no complete, intact checkpoint under {self.run_dir}/checkpoints")
             ckpt, state = found
@@ -282,9 +301,10 @@ class Run:
                 except Exception as e:
                     if not self._restart_trainer(e):
                         raise
-        except _Stuck:
+        except StuckInterrupt:
             raise Stalled(self.watchdog.expired) from None
         except Preempted as stop:
+            self.watchdog.stop()
             stop.step = self.step
             stop.checkpoint = self._save_completed()
             log.warning("%s; continue with --resume %s", stop, self.run_dir)
@@ -304,6 +324,7 @@ class Run:
             from tandem.runtime.async_loop import train_fully_async
 
             train_fully_async(self)
+        self._final_eval()
 
     def _restart_trainer(self, error: Exception) -> bool:
         """Ray placement: a trainer rank died. Rebuild the group and continue from the last checkpoint (or
@@ -348,6 +369,8 @@ class Run:
         self._closed = True
         self.tracker.close()
         self.rewards.close()
+        if self.evaluator is not None:
+            self.evaluator.close()
         self._close_engine()
         self.trainer.close()  # e.g. Megatron's process-wide state
 
@@ -390,12 +413,32 @@ class Run:
             self.engine.sleep()
             self._asleep = True
 
+    def eval_at(self, step: int) -> dict[str, float]:
+        """``eval/*`` metrics when an evaluation is due at the start of ``step`` (before the first step,
+        every ``eval.every`` steps), at the engine's current weights; {} otherwise."""
+        if self.evaluator is None or not self.evaluator.due(step, first=step, last=self.cfg.run.steps):
+            return {}
+        self.phase(step, "eval")
+        self._wake()
+        return self.evaluator.run()
+
+    def _final_eval(self) -> None:
+        """After the last step: a row of its own, ``step = run.steps`` (the weights that step produced)."""
+        steps = self.cfg.run.steps
+        if self.evaluator is not None and self.step == steps and self.evaluator.due(steps, first=0, last=steps):
+            metrics = self.eval_at(steps)
+            self.tracker.log(steps, metrics)
+            log.info("eval after step %d: %s", steps - 1,
+                     {k: round(v, 4) for k, v in metrics.items() if k.endswith(("pass@1", "reward_mean"))})
+
     def _train_sync(self) -> None:
         for step in range(self.step, self.cfg.run.steps):
             t0 = time.perf_counter()
+            evaluated = self.eval_at(step)
             self.phase(step, "rollout")
             self._wake()
             samples, metrics = self.rollout(step)
+            metrics |= evaluated
             self._sleep()  # colocated: free the KV cache while the trainer works
             metrics |= self.train_on(step, samples)
             metrics |= self.sync_weights()
@@ -412,6 +455,7 @@ class Run:
                 samples, metrics = pending.result(poll=self.poll_stop)
                 if step > start:  # the weights trained last step reach the engine while it is idle
                     metrics |= self.sync_weights()
+                metrics |= self.eval_at(step)  # the engine now holds the weights of step - 1
                 metrics |= staleness_metrics(samples, self.version)
                 if step + 1 < self.cfg.run.steps:
                     pending = Background(self.rollout, step + 1, name="tandem-rollout")
@@ -420,9 +464,9 @@ class Run:
             if self.step > start:
                 self.sync_weights()  # the last update reaches the engine too
         finally:
-            if not pending.done():  # the run stopped early: end the rollout in flight
+            if not pending.done():  # the run stopped early: end the rollout in flight (a hung one stays behind)
                 self.engine.abort_all()
-                pending.join(timeout_s=30)
+                pending.join(timeout_s=5)
 
     # -- bookkeeping ----------------------------------------------------------------------------------
 

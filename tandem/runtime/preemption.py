@@ -25,7 +25,7 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["COMMIT_PHASES", "Interrupted", "Preempted", "StopSignals"]
+__all__ = ["COMMIT_PHASES", "Interrupted", "Preempted", "StopSignals", "StuckInterrupt"]
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class Preempted(Interrupted):
         return f"stopped by {self.signame}{where}{saved}"
 
 
-class _Stuck(Interrupted):
+class StuckInterrupt(Interrupted):
     """The watchdog expired (the loop turns it into `Stalled`)."""
 
 
@@ -94,7 +94,7 @@ class StopSignals:
 
     def _handle(self, signum: int, frame) -> None:
         if self.stuck:
-            raise _Stuck()
+            raise StuckInterrupt()
         name = signal.Signals(signum).name
         if self.requested is not None:
             print(f"tandem: second signal ({name}): exiting at once, without a checkpoint", file=sys.stderr,
@@ -117,7 +117,7 @@ class StopSignals:
     def check(self) -> None:
         """For the loop's polled waits: raise if a signal asks to stop and the step can be abandoned."""
         if self.stuck:
-            raise _Stuck()
+            raise StuckInterrupt()
         if self.requested is not None and self._abandonable():
             raise Preempted(self.requested)
 

@@ -41,8 +41,8 @@ class SkippedStepsError(RuntimeError):
 
 
 class Watchdog:
-    """``with Watchdog(timeout_s, on_expire=...)``: ``phase(step, name)`` on every phase, ``step_done()``
-    after every step; ``check()`` raises `Stalled` once it expired."""
+    """``with Watchdog(timeout_s, on_expire=...)``: ``phase(step, name)`` on every phase (from any thread),
+    ``step_done()`` after every step; once expired, ``expired`` holds the message."""
 
     def __init__(self, timeout_s: float, *, on_expire: Callable[[], None] = lambda: None) -> None:
         self.timeout_s = timeout_s
@@ -63,12 +63,19 @@ class Watchdog:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop watching (e.g. before the checkpoint a stop signal asks for, which may take a while)."""
         self._stop.set()
-        if self._thread is not None:
+        if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
 
     def phase(self, step: int, name: str) -> None:
         t = threading.current_thread()
+        if t.ident not in self._phases and len(self._phases) > 8:  # forget helper threads that ended
+            alive = {a.ident for a in threading.enumerate()}
+            self._phases = {k: v for k, v in self._phases.items() if k in alive}
         self._phases[t.ident] = (t.name, step, name)
 
     def current_phase(self) -> str | None:
@@ -79,15 +86,12 @@ class Watchdog:
     def step_done(self) -> None:
         self._last = time.monotonic()
 
-    def check(self) -> None:
-        if self.expired is not None:
-            raise Stalled(self.expired)
-
     def describe(self, idle_s: float) -> str:
         loop = self._phases.get(self._owner)
         where = f"step {loop[1]}, phase {loop[2]!r}" if loop else "before the first phase"
+        alive = {t.ident for t in threading.enumerate()}
         helpers = [f"{name}: step {step}, phase {phase!r}" for ident, (name, step, phase) in self._phases.items()
-                   if ident != self._owner]
+                   if ident != self._owner and ident in alive]
         extra = f" (helper threads: {'; '.join(helpers)})" if helpers else ""
         return (f"no training step completed for {idle_s:.0f}s (runtime.watchdog_s={self.timeout_s:g}): stuck in "
                 f"{where}{extra}")

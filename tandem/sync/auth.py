@@ -59,11 +59,14 @@ def check_tag(key: bytes, value: object, label: str, *fields: object) -> bool:
     return isinstance(value, str) and hmac.compare_digest(value, tag(key, label, *fields))
 
 
-def body_tag(key: bytes, fields: tuple, flat: torch.Tensor) -> str:
-    """A keyed BLAKE2b-256 tag of a flat bucket's bytes and ``fields`` (hashlib releases the GIL)."""
-    h = hashlib.blake2b(key=hashlib.sha256(key).digest(), digest_size=32, person=b"tandem-bucket")
-    h.update("\x1f".join(str(f) for f in fields).encode())
-    h.update((flat if flat.device.type == "cpu" else flat.cpu()).numpy())
+def body_tag(key: bytes, fields: tuple, flat: torch.Tensor | None) -> str:
+    """HMAC-SHA256 of ``fields`` and a flat bucket's bytes (None: the fields alone). ~2 GB/s with SHA
+    instructions; hashlib releases the GIL, so it runs beside the transfer."""
+    nbytes = -1 if flat is None else flat.numel()
+    h = hmac.new(key, "\x1f".join(["bucket", *(str(f) for f in fields), str(nbytes)]).encode() + b"\x1e",
+                 hashlib.sha256)
+    if flat is not None:
+        h.update((flat if flat.device.type == "cpu" else flat.cpu()).numpy())
     return h.hexdigest()
 
 
@@ -105,8 +108,9 @@ def admit_receivers(store: dist.Store, session: str, nonce: str, num_receivers: 
                 continue
             refused += 1
             store.delete_key(claim_key)
-            log.warning("sync session %s: a join as receiver %d failed authentication (no or a wrong sync secret)",
-                        session, r)
+            log.log(logging.WARNING if refused == 1 else logging.DEBUG,
+                    "sync session %s: a join as receiver %d failed authentication (no or a wrong sync secret)",
+                    session, r)
         if not pending:
             break
         if cancelled.is_set():

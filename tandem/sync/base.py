@@ -18,8 +18,9 @@ shapes, byte offsets), never pickle.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 NamedList = list[tuple[str, torch.Tensor]]
+SECRET_ENV = "TANDEM_SYNC_SECRET"
 # Engine side of a transport: apply one whole update. May return a report (a JSON-able dict, e.g. the
 # `verify` result) that the transport hands back to the sender.
 ApplyFn = Callable[[NamedList, int], "dict[str, Any] | None"]
@@ -81,6 +83,18 @@ class SyncConfig:
     # bits of the trainer's fake-quantized forward; None sends the trainer's dtype
     quantize: QuantConfig | None = None
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    # broadcast / disk: the secret a sender and its receivers share (HMAC-SHA256 of the rendezvous and of
+    # every update, docs/sync.md "Security"). Empty: $TANDEM_SYNC_SECRET, else a run makes a random one
+    # per run and hands it to the engine process it starts. Never written into a saved config.
+    secret: str = field(default="", repr=False)
+
+    def resolved_secret(self) -> str:
+        """``secret``, else ``$TANDEM_SYNC_SECRET`` ("" if neither is set)."""
+        return self.secret or os.environ.get(SECRET_ENV, "")
+
+    def to_config_dict(self) -> dict[str, Any]:
+        """The section as a recipe writes it, without the secret (config.yaml, `tandem config`)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "secret"}
 
     def __post_init__(self) -> None:
         if self.bucket_bytes < 1024:

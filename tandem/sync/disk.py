@@ -18,6 +18,11 @@ background after `send` returns (unlinking a model's worth of files took ~1/4 of
 A receiver reads each tensor, checks its hash against the manifest, and applies the whole version at
 once; a corrupted or vanished file fails the poll with `SyncError` and the engine keeps its weights.
 ``verify`` on the receiver compares the engine's weights with the manifest's hashes afterwards.
+
+**Signed manifests** (``secret``, `tandem.sync.auth`): the sender signs each manifest (HMAC-SHA256 over
+its version and every tensor's blob and hash); a receiver with the secret refuses an unsigned or
+mis-signed version (`SyncError`, the engine keeps its weights), and one whose manifest names another
+version than ``LATEST``. A new sync directory is created private to its user (mode 0700).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tandem.kernels.state_dict import COMPANION_SUFFIXES
+from tandem.sync import auth
 from tandem.sync.apply import call_apply
 from tandem.sync.base import ApplyFn, SyncError, checksum, sync_metrics
 from tandem.sync.verify import check_reports
@@ -81,13 +87,39 @@ def _blob_name(hashes: list[tuple[str, int]]) -> str:
     return f"{h.intdigest():016x}.safetensors"
 
 
-class DiskSender:
-    """Writes each version as safetensors blobs + a manifest, atomically (see the module docstring)."""
+def _signed(key: bytes | None, version: int, tensors: dict[str, dict]) -> bytes:
+    manifest: dict[str, Any] = {"version": version, "tensors": tensors}
+    if key is not None:
+        manifest["tag"] = auth.tag(key, "manifest", json.dumps(manifest, sort_keys=True))
+    return json.dumps(manifest).encode()
 
-    def __init__(self, directory: str | Path, *, delta: bool = False, keep_versions: int = 2) -> None:
+
+def _open_manifest(key: bytes | None, raw: str, version: int) -> dict[str, Any]:
+    """The tensors of a manifest, its signature checked when ``key`` is given."""
+    manifest = json.loads(raw)
+    if key is not None:
+        tag = manifest.pop("tag", None)
+        if tag is None:
+            raise SyncError(f"disk sync v{version}: the manifest is not signed (a sender without the sync secret)")
+        if not auth.check_tag(key, tag, "manifest", json.dumps(manifest, sort_keys=True)):
+            raise SyncError(f"disk sync v{version}: the manifest's signature does not match (not written by the "
+                            "sender that holds the sync secret)")
+    if manifest.get("version") != version:
+        raise SyncError(f"disk sync: LATEST says v{version}, its manifest says v{manifest.get('version')}")
+    return manifest["tensors"]
+
+
+class DiskSender:
+    """Writes each version as safetensors blobs + a manifest, atomically (see the module docstring).
+    ``secret``: sign each manifest; may also be set as the attribute before the first `send`."""
+
+    def __init__(self, directory: str | Path, *, delta: bool = False, keep_versions: int = 2,
+                 secret: bytes | str | None = None) -> None:
         if keep_versions < 1:
             raise ValueError(f"keep_versions={keep_versions} must be >= 1")
         self.root = Path(directory)
+        self.secret = auth.as_key(secret)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
         (self.root / "blobs").mkdir(parents=True, exist_ok=True)
         (self.root / "manifests").mkdir(parents=True, exist_ok=True)
         self.delta, self.keep_versions = delta, keep_versions
@@ -123,8 +155,7 @@ class DiskSender:
                     name, t = bucket[i]
                     entries[name] = {"blob": blob, "hash": hashes[i][1]}
                     written += t.numel() * t.element_size()
-            manifest = {"version": version, "tensors": entries}
-            _atomic_write(self.root / "manifests" / f"v{version}.json", json.dumps(manifest).encode())
+            _atomic_write(self.root / "manifests" / f"v{version}.json", _signed(self.secret, version, entries))
             _atomic_write(self.root / "LATEST", str(version).encode())
         except OSError as e:
             raise SyncError(f"disk sync of version {version} to {self.root} failed: {e}") from e
@@ -181,10 +212,12 @@ def _group_key(name: str) -> str:
 
 
 class DiskReceiver:
-    """Loads the newest complete version into an engine (only changed tensors in delta mode)."""
+    """Loads the newest complete version into an engine (only changed tensors in delta mode).
+    ``secret``: accept only versions whose manifest the sender signed with it."""
 
-    def __init__(self, directory: str | Path) -> None:
+    def __init__(self, directory: str | Path, *, secret: bytes | str | None = None) -> None:
         self.root = Path(directory)
+        self.secret = auth.as_key(secret)
         self.version: int | None = None
         self._hashes: dict[str, int] = {}  # what the engine holds, by name
 
@@ -201,7 +234,7 @@ class DiskReceiver:
         if latest is None or (self.version is not None and latest <= self.version):
             return None
         try:
-            manifest = json.loads((self.root / "manifests" / f"v{latest}.json").read_text())["tensors"]
+            manifest = _open_manifest(self.secret, (self.root / "manifests" / f"v{latest}.json").read_text(), latest)
             named = self._load_changed(manifest, latest)
         except OSError as e:  # pruned under us by a fast sender: the next poll reads a newer version
             raise SyncError(f"disk sync v{latest}: could not read {e.filename}: {e.strerror}") from e

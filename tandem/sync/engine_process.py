@@ -154,19 +154,23 @@ def build_receiver(cfg: SyncConfig, *, rank: int = 1) -> Any:
     """The engine-side receiver of ``cfg.transport`` (``rank`` in ``1..num_receivers``).
 
     In-process needs none (raises); Ray receivers are actor methods (see `tandem.sync.ray_store`).
+    Broadcast and disk authenticate with ``cfg.resolved_secret()`` (none: nothing is authenticated,
+    which a sender that has a secret refuses).
     """
+    secret = cfg.resolved_secret() or None
     if cfg.transport == "broadcast":
         from tandem.sync.broadcast import BroadcastReceiver
 
         if cfg.port == 0:
             raise ValueError("sync.port=0: an engine process must be told the sender's port")
         return BroadcastReceiver(
-            rank=rank, num_receivers=cfg.num_receivers, host=cfg.host, port=cfg.port, timeout_s=cfg.timeout_s
+            rank=rank, num_receivers=cfg.num_receivers, host=cfg.host, port=cfg.port, timeout_s=cfg.timeout_s,
+            secret=secret,
         )
     if cfg.transport == "disk":
         from tandem.sync.disk import DiskReceiver
 
-        return DiskReceiver(cfg.directory)
+        return DiskReceiver(cfg.directory, secret=secret)
     if cfg.transport == "cupy_nccl":
         from tandem.sync.cuda import CupyNcclReceiver
 

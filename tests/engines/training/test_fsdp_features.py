@@ -190,7 +190,10 @@ def test_export_cli_writes_an_hf_folder(tmp_path, capsys):
         assert (hf_response_logprobs(hf, batch) - engine.forward_logprobs(batch).log_probs).abs().max() < 1e-5
     assert (tmp_path / "hf" / "tokenizer.json").is_file()
     assert cli_main(["export", str(tmp_path / "nope"), str(tmp_path / "x")]) == 2
-    assert "not a complete Tandem checkpoint" in capsys.readouterr().err
+    assert "nope does not exist" in capsys.readouterr().err
+    (tmp_path / "partial").mkdir()  # a folder that is no checkpoint: what each target kind needs
+    assert cli_main(["export", str(tmp_path / "partial"), str(tmp_path / "y")]) == 2
+    assert "is neither a run directory" in capsys.readouterr().err
 
 
 def test_lora_checkpoint_saves_adapters_and_exports_merged(tmp_path):

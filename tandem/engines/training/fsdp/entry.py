@@ -27,6 +27,27 @@ def fill(facts: RunFacts, config: Any):
     return dataclasses.replace(fc, **changes)
 
 
+def refuse(facts: RunFacts, config: Any) -> dict[str, str]:
+    if config.routing_replay and not _moe_layers(config.model.name):
+        return {"trainer.fsdp.routing_replay: true": f"{config.model.name} is a dense model: there are no routes "
+                                                     "to replay"}
+    return {}
+
+
+def _moe_layers(name: str) -> tuple[int, ...]:
+    """The model's MoE layers by its config (no weights loaded); () for an architecture Tandem does not
+    implement natively (the engine itself then refuses replay: it needs the native model)."""
+    from transformers import AutoConfig
+
+    from tandem.models import resolve_model
+    from tandem.models.transformer import TransformerArgs, UnsupportedModelError
+
+    try:
+        return tuple(TransformerArgs.from_hf_config(AutoConfig.from_pretrained(str(resolve_model(name)))).moe_layers)
+    except UnsupportedModelError:
+        return ()
+
+
 def describe(config: Any) -> TrainerFacts:
     lora = config.lora
     return TrainerFacts(routing_replay=config.routing_replay, lora_rank=lora.rank if lora else None,
@@ -45,6 +66,7 @@ ENTRY = EngineEntry(
     config="tandem.engines.training.fsdp.config:FSDPConfig",
     factory="tandem.engines.training.fsdp.engine:FSDPEngine",
     fill=fill,
+    refuse=refuse,
     describe=describe,
     capabilities=frozenset({"can_sleep", "routed_experts", "lora_adapters", "critic", "ref"}),
     gpus=lambda config: 1.0 if config.device == "cuda" or (config.device == "auto" and _cuda()) else 0.0,
