@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from tandem.engines.training.checkpoint import MARKER
+from tandem.engines.training.common.checkpoint import MARKER
 
 __all__ = ["Target", "TargetError", "resolve_target"]
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from tandem.engines.training.checkpoint import MARKER, partial_dir, publish_dir, read_marker
+from tandem.engines.training.common.checkpoint import MARKER, partial_dir, publish_dir, read_marker
 from tandem.engines.training.fsdp.parallel import DistContext
 
 __all__ = ["MARKER", "Checkpointable", "load_checkpoint", "publish_dir", "read_metadata", "save_checkpoint"]

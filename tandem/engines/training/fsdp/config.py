@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tandem.engines.training.config import OptimizerConfig  # shared by every engine; re-exported here
+from tandem.engines.training.common.config import OptimizerConfig  # shared by every engine; re-exported here
 from tandem.kernels.config import QuantConfig
 from tandem.models.registry import ModelConfig
 

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tandem.engines.training.checkpoint import MARKER, partial_dir, publish_dir, read_marker
+from tandem.engines.training.common.checkpoint import MARKER, partial_dir, publish_dir, read_marker
 
 __all__ = ["FORMAT", "load_checkpoint", "read_metadata", "save_checkpoint", "shard_key"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tandem.engines.training.config import OptimizerConfig
+from tandem.engines.training.common.config import OptimizerConfig
 from tandem.models.registry import ModelConfig
 
 __all__ = ["MegatronConfig", "MegatronParallelConfig", "MegatronRefConfig", "OptimizerConfig"]

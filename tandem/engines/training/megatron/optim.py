@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from tandem.engines.training.config import OptimizerConfig
+from tandem.engines.training.common.config import OptimizerConfig
 from tandem.engines.training.megatron.convert import Rule
 from tandem.engines.training.megatron.parallel import MegatronContext
 
