@@ -74,7 +74,7 @@ def write_report(run_dir: str | Path) -> dict[str, Any]:
         written.append(fname)
     _, rewards = _series(rows, "reward/mean")
     summary = {
-        "steps": sum(1 for r in rows if "time/step_s" in r),  # an eval-only row (after the last step) is none
+        "steps": sum(1 for r in rows if not _eval_only(r)),  # the evaluation after the last step is no step
         "first_reward": rewards[0] if rewards else None,
         "last_reward": rewards[-1] if rewards else None,
         "wall_s": _wall_s(rows),
@@ -137,6 +137,11 @@ def _write_html(run_dir: Path, out: Path, summary: dict[str, Any], table: dict, 
     style = "body{font-family:sans-serif;max-width:60em}table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 6px}"
     (out / "report.html").write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(run_dir.name)}"
                                      f"</title><style>{style}</style></head><body>{''.join(parts)}</body></html>\n")
+
+
+def _eval_only(row: dict[str, Any]) -> bool:
+    keys = [k for k in row if k not in ("step", "time")]
+    return bool(keys) and all(k.startswith(("eval/", "time/eval")) for k in keys)
 
 
 def _number(row: dict[str, Any], key: str) -> float | None:

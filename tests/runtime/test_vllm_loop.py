@@ -115,6 +115,7 @@ def test_the_engine_section_gets_the_runs_seed_and_context():
 
 
 def test_routing_replay_is_refused_before_anything_is_built():
+    # a MoE policy (routing replay on a dense one is refused by the trainer's entry first)
     with pytest.raises(ConfigError, match=r"routing replay in the trainer \(R3\) needs the routed experts .* which "
                                           r"inference.engine: vllm cannot give \(vLLM returns no routed experts\)"):
-        inference_engine_spec(_cfg("float32", "trainer.fsdp.routing_replay=true"))
+        inference_engine_spec(_cfg("float32", "trainer.fsdp.routing_replay=true", "model.name=tiny-qwen3-moe"))
