@@ -25,7 +25,8 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def serving(args: list[str], *, env: dict[str, str] | None = None, timeout_s: float = 120) -> Iterator[str]:
-    """``tandem serve ARGS`` until the block ends; yields its base URL once ``/health`` answers."""
+    """``tandem serve ARGS`` until the block ends; yields its base URL once ``/health`` answers. On leaving,
+    the server is stopped with SIGINT and must exit cleanly."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", *args, "--port", str(port)], cwd=ROOT,
@@ -49,3 +50,5 @@ def serving(args: list[str], *, env: dict[str, str] | None = None, timeout_s: fl
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
+            raise
+    assert proc.returncode in (0, 130, -signal.SIGINT), proc.stdout.read()

@@ -2,47 +2,21 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx2 as httpx
 import pytest
 
 from tandem.cli import main
+from tests.serve_helpers import serving
 
 ROOT = Path(__file__).parents[2]
 RECIPE = ROOT / "recipes" / "tiny" / "calculator-agent-grpo.yaml"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_a_recipe_over_http():
-    port = _free_port()
-    env = {**os.environ, "TANDEM_API_KEY": "k", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", str(RECIPE), "inference.torch.max_num_seqs=4",
-                             "--port", str(port), "--max-sessions", "2"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < deadline, "tandem serve did not come up"
-            time.sleep(0.2)
+    with serving([str(RECIPE), "inference.torch.max_num_seqs=4", "--max-sessions", "2"],
+                 env={"TANDEM_API_KEY": "k"}) as base:
         auth = {"Authorization": "Bearer k"}
         assert httpx.post(f"{base}/sessions").status_code == 401  # TANDEM_API_KEY is honoured
         sid = httpx.post(f"{base}/sessions", headers=auth).json()["id"]
@@ -53,13 +27,6 @@ def test_serve_a_recipe_over_http():
         assert health["sessions"]["turns"] == 1 and health["engine"]["num_slots"] == 4
         httpx.post(f"{base}/sessions", headers=auth)
         assert httpx.post(f"{base}/sessions", headers=auth).status_code == 429  # --max-sessions 2
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    assert proc.returncode in (0, 130, -signal.SIGINT)
 
 
 @pytest.mark.parametrize("argv, message", [
