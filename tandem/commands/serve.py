@@ -94,13 +94,6 @@ def _check_max_model_len(value: int, model_name: str) -> None:
                           f"(max_position_embeddings={limit})")
 
 
-def _replica_gpus(cfg, entry, config) -> float:
-    """GPUs per replica: ``ray.engine_gpus``, else what the engine's entry says its config needs."""
-    if cfg.ray.engine_gpus is not None:
-        return cfg.ray.engine_gpus
-    return float(entry.gpus(config)) if entry.gpus is not None else 0.0
-
-
 def _model_context(name: str) -> int:
     from transformers import AutoConfig
 
@@ -147,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     if recipe_cfg is not None and recipe_cfg.runtime.placement == "ray":  # replicas behind the router
         from tandem.runtime.ray.placement import RayPlacement
 
-        gpus = _replica_gpus(recipe_cfg, entry, ec)
+        gpus = entry.bundle_gpus(ec, recipe_cfg.ray.engine_gpus)
         cluster = RayPlacement(recipe_cfg, engine_gpus=gpus, with_trainer=False)
         cluster.start(trainer_spec=None, engine_spec=entry.spec(ec))
         engine = cluster.router

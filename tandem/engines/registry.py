@@ -49,6 +49,7 @@ __all__ = [
     "TrainerFacts",
     "Unsupported",
     "engines",
+    "cuda_available",
     "import_object",
     "registry",
     "run_section",
@@ -150,6 +151,13 @@ def run_section(config: Any, config_class: type, facts: RunFacts) -> tuple[Any, 
     return section, changes
 
 
+def cuda_available() -> bool:
+    """Whether this process sees a CUDA device (for the entries' ``gpus``; imports torch lazily)."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _no_refusals(facts: RunFacts, config: Any) -> dict[str, str]:
     return {}
 
@@ -232,6 +240,12 @@ class EngineEntry:
                 reason = f" ({self.why_not[cap]})" if cap in self.why_not else ""
                 raise Unsupported(f"{setting} needs {why}, which {self._key()}: {self.name} cannot give"
                                   f"{' on this machine' if info is not None and declared else ''}{reason}{hint}")
+
+    def bundle_gpus(self, config: Any, override: float | None = None) -> float:
+        """GPUs one instance asks of its Ray bundle: ``override`` (``ray.*_gpus``) if set, else ``gpus``."""
+        if override is not None:
+            return override
+        return float(self.gpus(config)) if self.gpus is not None else 0.0
 
     def spec(self, config: Any, **kwargs: Any) -> EngineSpec:
         return EngineSpec(factory=self.factory, config=config, kwargs=kwargs)

@@ -130,12 +130,8 @@ def _build(spec: EngineSpec, entry: EngineEntry):
 
 def ray_gpus(cfg: RunConfig, plan: EnginePlan) -> dict[str, float]:
     """GPUs per trainer-rank and per replica bundle: ``ray.*_gpus``, else the engine entries' own count."""
-    def entry_gpus(entry: EngineEntry, config: Any) -> float:
-        return float(entry.gpus(config)) if entry.gpus is not None else 0.0
-
-    trainer = cfg.ray.trainer_gpus if cfg.ray.trainer_gpus is not None else entry_gpus(plan.trainer, plan.trainer_config)
-    engine = cfg.ray.engine_gpus if cfg.ray.engine_gpus is not None else entry_gpus(plan.engine, plan.engine_config)
-    return {"trainer_gpus": trainer, "engine_gpus": engine}
+    return {"trainer_gpus": plan.trainer.bundle_gpus(plan.trainer_config, cfg.ray.trainer_gpus),
+            "engine_gpus": plan.engine.bundle_gpus(plan.engine_config, cfg.ray.engine_gpus)}
 
 
 def check_built(plan: EnginePlan, trainer_info: EngineInfo, engine_info: EngineInfo) -> None:

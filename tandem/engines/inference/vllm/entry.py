@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tandem.engines.registry import EngineEntry, RunFacts, run_section
+from tandem.engines.registry import EngineEntry, RunFacts, cuda_available, run_section
 
 __all__ = ["ENTRY"]
 
@@ -22,12 +22,6 @@ def fill(facts: RunFacts, config: Any):
     return dataclasses.replace(ec, **changes)
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 ENTRY = EngineEntry(
     name="vllm",
     kind="inference",
@@ -42,5 +36,5 @@ ENTRY = EngineEntry(
     install="pip install 'tandem-rl[vllm]' (CPU: scripts/install_vllm.sh builds a separate venv)",
     # one GPU per tensor-parallel rank where vLLM runs on CUDA (on CPU the bundle asks for none: set
     # ray.engine_gpus explicitly for a GPU cluster)
-    gpus=lambda config: float(config.engine_kwargs.get("tensor_parallel_size", 1)) if _cuda() else 0.0,
+    gpus=lambda config: float(config.engine_kwargs.get("tensor_parallel_size", 1)) if cuda_available() else 0.0,
 )

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from tandem.engines.registry import EngineEntry, RunFacts, TrainerFacts, run_section
+from tandem.engines.registry import EngineEntry, RunFacts, TrainerFacts, cuda_available, run_section
 
 __all__ = ["ENTRY"]
 
@@ -54,12 +54,6 @@ def describe(config: Any) -> TrainerFacts:
                         lora_alpha=lora.alpha if lora else None)
 
 
-def _cuda() -> bool:
-    import torch
-
-    return torch.cuda.is_available()
-
-
 ENTRY = EngineEntry(
     name="fsdp",
     kind="training",
@@ -69,7 +63,7 @@ ENTRY = EngineEntry(
     refuse=refuse,
     describe=describe,
     capabilities=frozenset({"can_sleep", "routed_experts", "lora_adapters", "critic", "ref"}),
-    gpus=lambda config: 1.0 if config.device == "cuda" or (config.device == "auto" and _cuda()) else 0.0,
+    gpus=lambda config: 1.0 if config.device == "cuda" or (config.device == "auto" and cuda_available()) else 0.0,
     hints={
         "trainer_deterministic": "trainer.fsdp.deterministic: true",
         "same_temperature": "trainer.fsdp.temperature equal to rollout.sampling.temperature",
