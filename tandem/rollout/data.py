@@ -3,7 +3,9 @@
 Each record has a prompt (a string, or a list of chat messages), a label and optional metadata. The
 source renders prompts through the tokenizer's chat template (once, at load), shuffles with a seed per
 epoch, and hands out prompts in order; its position (epoch, offset) is saved with checkpoints so a
-resumed run continues with exactly the prompts it would have seen.
+resumed run continues with exactly the prompts it would have seen. Prompts taken but not trained on
+when a checkpoint was written (rollouts in flight in the asynchronous modes) are *requeued*: served
+before the epoch order continues, and saved in the position too (``requeued``), so a resume drops none.
 
 Bad records never stop a run silently: a malformed JSONL line is reported with its line number and
 skipped (or fails the load, per ``bad_line``); empty prompts are dropped; prompts longer than
@@ -12,9 +14,11 @@ skipped (or fails the load, per ``bad_line``); empty prompts are dropped; prompt
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -133,6 +137,8 @@ class DataSource:
             raise DataError(f"{cfg.source}: no usable prompt (stats: {self.stats})")
         self.epoch, self.offset = 0, 0
         self._order = self._epoch_order(0)
+        self._position = {r.index: p for p, r in enumerate(self.records)}  # record index -> place in records
+        self._requeued: collections.deque[int] = collections.deque()  # places served before the order
 
     def _render(self, prompt: Any, tokenizer: Any) -> list[int]:
         if not self.cfg.apply_chat_template:
@@ -183,6 +189,8 @@ class DataSource:
     def next_prompts(self, n: int) -> list[PromptRecord]:
         """The next ``n`` prompts, crossing into a freshly shuffled epoch when one runs out."""
         out = []
+        while self._requeued and len(out) < n:
+            out.append(self.records[self._requeued.popleft()])
         while len(out) < n:
             if self.offset >= len(self._order):
                 self.epoch, self.offset = self.epoch + 1, 0
@@ -191,14 +199,33 @@ class DataSource:
             self.offset += 1
         return out
 
-    def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "offset": self.offset, "num_records": len(self.records)}
+    def positions(self, records: Iterable[PromptRecord]) -> list[int]:
+        """The places of ``records`` in this source (what a checkpoint stores for a prompt)."""
+        return [self._position[r.index] for r in records]
 
-    def load_state_dict(self, state: dict[str, int]) -> None:
+    def requeue(self, records: Iterable[PromptRecord]) -> None:
+        """Serve ``records`` again, before the epoch order continues (in the order given)."""
+        self._requeued.extend(self.positions(records))
+
+    def state_dict(self, *, requeue: Iterable[PromptRecord] = ()) -> dict[str, Any]:
+        """The position; ``requeue``: prompts taken but not used yet (rollouts in flight), which a source
+        loaded from this state serves first."""
+        state: dict[str, Any] = {"epoch": self.epoch, "offset": self.offset, "num_records": len(self.records)}
+        requeued = [*self._requeued, *self.positions(requeue)]
+        if requeued:
+            state["requeued"] = requeued
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("num_records") != len(self.records):
             raise DataError(
                 f"resume: the data has {len(self.records)} usable prompts, the checkpoint was taken with "
                 f"{state.get('num_records')}; the data changed"
             )
+        requeued = [int(p) for p in state.get("requeued", ())]
+        bad = [p for p in requeued if not 0 <= p < len(self.records)]
+        if bad:
+            raise DataError(f"resume: requeued prompt place {bad[0]} is outside the {len(self.records)} prompts")
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
         self._order = self._epoch_order(self.epoch)
+        self._requeued = collections.deque(requeued)

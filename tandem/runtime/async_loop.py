@@ -13,13 +13,17 @@ decode steps: rollouts in flight continue with the new weights (partial rollouts
 holding a sample the engine aborted, ``status_reason: engine_abort``). ``rollout.dump`` writes every
 group a step consumed.
 
-The data order in this mode depends on timing, so a resumed run does not repeat an uninterrupted one
-bit for bit (sync mode does).
+A checkpoint holds the finished groups waiting in the queue (samples, weight versions, metrics) and
+requeues the prompts of the groups still generating (`tandem.runtime.pending`): a resumed run loses and
+repeats no prompt, and trains on the queued groups as the uninterrupted run would have. The data order
+in this mode depends on timing, so a resumed run still does not repeat an uninterrupted one bit for bit
+(sync and one-step-off do).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -28,9 +32,11 @@ from typing import TYPE_CHECKING
 
 from tandem.core.filters import filter_samples
 from tandem.core.sample import Sample
+from tandem.rollout.data import PromptRecord
 from tandem.rollout.functions import RolloutContext
 from tandem.rollout.generate import request_seed
 from tandem.runtime.metrics import rollout_metrics, staleness_metrics
+from tandem.runtime.pending import decode_groups, encode_groups
 from tandem.runtime.rollouts import Rollouts, add_metrics, episode_metrics
 
 if TYPE_CHECKING:
@@ -47,12 +53,32 @@ class _Producer(threading.Thread):
         super().__init__(name="tandem-producer", daemon=True)
         self.run_, self.out = run, out
         self.stop_event = threading.Event()
-        self.retry: queue.SimpleQueue = queue.SimpleQueue()  # prompts to generate again
+        # under `lock`: prompts to generate again, the groups generating, what the data source handed out
+        self.lock = threading.Lock()
+        self.retry: collections.deque[PromptRecord] = collections.deque()
+        self.in_flight: dict[int, PromptRecord] = {}  # group index -> its prompt
         self.error: BaseException | None = None
         self.groups_made = 0
         self.generated_tokens = 0
         self.regenerated = 0  # groups generated again after an engine abort
-        self.lock = threading.Lock()
+
+    def requeue(self, record: PromptRecord) -> None:
+        """Generate ``record``'s group again (a stale group, ``stale_policy: regenerate``)."""
+        with self.lock:
+            self.retry.append(record)
+
+    def snapshot(self) -> tuple[dict, dict]:
+        """``(data state, rollouts)`` for a checkpoint: the data position with the prompts of the groups
+        generating (and waiting to be generated again) requeued, and the finished groups in the queue."""
+        with self.lock:
+            with self.out.mutex:
+                queued = [item for item in self.out.queue if item is not _STOP]
+            requeue = [*self.retry, *(self.in_flight[k] for k in sorted(self.in_flight))]
+            data = self.run_.data.state_dict(requeue=requeue)
+            made = self.groups_made
+        places = self.run_.data.positions(record for record, _, _ in queued)
+        groups = encode_groups((p, samples, metrics) for p, (_, samples, metrics) in zip(places, queued, strict=True))
+        return data, {"mode": "fully_async", "groups_made": made, "queued": groups}
 
     def run(self) -> None:
         try:
@@ -91,26 +117,29 @@ class _Producer(threading.Thread):
 
     async def _one_group(self, ctx: RolloutContext) -> None:
         run = self.run_
-        try:
-            record = self.retry.get_nowait()
-        except queue.Empty:
-            record = run.data.next_prompts(1)[0]
-        with self.lock:
+        with self.lock:  # taking a prompt and recording it as generating is one step for `snapshot`
+            record = self.retry.popleft() if self.retry else run.data.next_prompts(1)[0]
             group_index = self.groups_made
             self.groups_made += 1
+            self.in_flight[group_index] = record
         seed = request_seed(run.cfg.run.seed, group_index, record.index)
         samples, metrics = await run.rollouts.group(ctx, record, group_index=group_index, seed=seed)
         if any(s.metadata.get("status_reason") == "engine_abort" for s in samples):  # a weight update aborted it
-            self.regenerated += 1
-            self.retry.put(record)
+            with self.lock:
+                self.regenerated += 1
+                del self.in_flight[group_index]
+                self.retry.append(record)
             return
         self.generated_tokens += sum(s.response_length for s in samples)
         while not self.stop_event.is_set():  # backpressure: wait for room in the queue
-            try:
-                self.out.put((record, samples, metrics), timeout=0.2)
-                return
-            except queue.Full:
-                await asyncio.sleep(0.05)
+            with self.lock:
+                try:
+                    self.out.put_nowait((record, samples, metrics))
+                    del self.in_flight[group_index]
+                    return
+                except queue.Full:
+                    pass
+            await asyncio.sleep(0.05)
 
 
 def _next_group(groups: queue.Queue, run: Run):
@@ -127,6 +156,17 @@ def train_fully_async(run: Run) -> None:
     cfg = run.cfg
     groups: queue.Queue = queue.Queue(maxsize=cfg.runtime.queue_groups)
     producer = _Producer(run, groups)
+    saved = run.take_resumed_rollouts("fully_async")
+    if saved is not None:  # the checkpoint's queue; the prompts that were generating are requeued in the data
+        producer.groups_made = int(saved["groups_made"])
+        for place, samples, metrics in decode_groups(saved["queued"]):
+            record = run.data.records[place]
+            try:
+                groups.put_nowait((record, samples, metrics))
+            except queue.Full:  # a smaller runtime.queue_groups than the saved run's
+                run.data.requeue([record])
+        log.info("resumed with %d queued groups from the checkpoint", groups.qsize())
+    run._snapshot_rollouts = producer.snapshot
     producer.start()
     budget = cfg.rollout.max_rounds * cfg.rollout.prompts_per_step  # groups one step may consume
     try:
@@ -149,7 +189,7 @@ def train_fully_async(run: Run) -> None:
                 if lag > cfg.runtime.max_staleness:
                     dropped_stale += 1
                     if cfg.runtime.stale_policy == "regenerate":
-                        producer.retry.put(record)
+                        producer.requeue(record)
                     continue
                 taken += 1
                 every += samples
@@ -175,6 +215,7 @@ def train_fully_async(run: Run) -> None:
                 run.engine.abort_all()  # in-flight groups are regenerated with the new weights
             run._finish_step(step, metrics, batch, t0)
     finally:
+        run._snapshot_rollouts = None
         producer.stop_event.set()
         run.engine.abort_all()
         producer.join(timeout=30)

@@ -50,6 +50,7 @@ from tandem.runtime.config import RunConfig
 from tandem.runtime.engine_wire import EngineProcessError
 from tandem.runtime.evaluation import Evaluator
 from tandem.runtime.metrics import rollout_metrics, staleness_metrics
+from tandem.runtime.pending import decode_groups, decode_samples, encode_samples
 from tandem.runtime.policy import merge_mini_batch_metrics, mini_batch_rows, old_log_prob_source, run_contract
 from tandem.runtime.preemption import Preempted, StopSignals, StuckInterrupt
 from tandem.runtime.progress import Progress
@@ -145,6 +146,9 @@ class Run:
         log.info("log-prob contract: %s (%s); old log-probs: %s", self.contract.relation, self.contract.note,
                  self.old_source)
         self.step, self.version = 0, 0
+        self._resumed_rollouts: dict[str, Any] | None = None  # rollouts in flight in the checkpoint
+        self._snapshot_rollouts: Any = None  # fully async: the producer's (data state, rollouts) for a checkpoint
+        self._save_due = False  # one-step-off: a checkpoint waits for the rollout in flight
         resume_step = None
         if resume:
             found = (restore_latest(self.run_dir, self.trainer, bucket_bytes=cfg.sync.bucket_bytes)
@@ -158,9 +162,14 @@ class Run:
             self.step, self.version = state["step"], state["version"]
             self.data.load_state_dict(state["data"])
             self.kl_ctl.load_state_dict(state["kl"])
+            self._resumed_rollouts = state.get("rollouts")
             resume_step = self.step - 1
-            # The engine starts from the model files; bring it to the checkpoint's weights.
-            self._push_weights(self.version)
+            # The engine starts from the model files; bring it to the checkpoint's weights (one-step-off
+            # with the batch in flight saved: its first step sends them before the engine is used)
+            if not self._continues_pending():
+                if state.get("trainer_ahead"):  # one-step-off: these weights were never sent; a new version
+                    self.version += 1
+                self._push_weights(self.version)
             log.info("resumed %s at step %d (weight version %d)", ckpt, self.step, self.version)
         save_config(cfg, self.run_dir / "config.yaml")
         self.tracker = Tracker(cfg.tracking, self.run_dir, run_name=cfg.run.name, resume_step=resume_step,
@@ -347,11 +356,13 @@ class Run:
             self.step = state["step"]
             self.data.load_state_dict(state["data"])
             self.kl_ctl.load_state_dict(state["kl"])
+            self._resumed_rollouts = state.get("rollouts")
         else:  # nothing saved yet: the fresh group holds the initial weights
             self.step = 0
             self.data.load_state_dict(self._initial_state["data"])
             self.kl_ctl.load_state_dict(self._initial_state["kl"])
         self.tracker.rewind(self.step - 1)
+        self._save_due = False
         self._completed = self._state()
         # versions never go backwards: the restored weights reach the replicas as a new version
         self.version += 1
@@ -431,7 +442,26 @@ class Run:
             log.info("eval after step %d: %s", steps - 1,
                      {k: round(v, 4) for k, v in metrics.items() if k.endswith(("pass@1", "reward_mean"))})
 
+    def _continues_pending(self) -> bool:
+        saved = self._resumed_rollouts
+        return self.cfg.runtime.mode == "one_step_off" and saved is not None and saved["mode"] == "one_step_off"
+
+    def take_resumed_rollouts(self, mode: str) -> dict[str, Any] | None:
+        """The rollouts in flight that the checkpoint resumed from holds, if they were saved in ``mode``;
+        saved in another mode, their prompts are requeued (generated again) and None is returned."""
+        saved, self._resumed_rollouts = self._resumed_rollouts, None
+        if saved is None or saved["mode"] == mode:
+            return saved
+        if saved["mode"] == "one_step_off":
+            self.data.load_state_dict(saved["data_before"])
+        else:
+            self.data.requeue(self.data.records[place] for place, _, _ in decode_groups(saved["queued"]))
+        log.info("the checkpoint's rollouts in flight were made in %s mode; their prompts are generated again",
+                 saved["mode"])
+        return None
+
     def _train_sync(self) -> None:
+        self.take_resumed_rollouts("sync")
         for step in range(self.step, self.cfg.run.steps):
             t0 = time.perf_counter()
             evaluated = self.eval_at(step)
@@ -445,22 +475,44 @@ class Run:
             self._finish_step(step, metrics, samples, t0)
 
     def _train_one_step_off(self) -> None:
+        """Rollout N+1 runs while step N trains. The checkpoint of step N is written once rollout N+1 is
+        complete and holds it (`tandem.runtime.pending`), so a resumed run trains on the same batch."""
         start = self.step
-        # a daemon thread, not a pool: a rollout that hangs must not keep the process from exiting
-        pending = Background(self.rollout, start, name="tandem-rollout")
+        saved = self.take_resumed_rollouts("one_step_off")
+        data_before = self.data.state_dict()  # the prompts of the rollout in flight are not taken yet
+        if saved is None:
+            # a daemon thread, not a pool: a rollout that hangs must not keep the process from exiting
+            pending = Background(self.rollout, start, name="tandem-rollout")
+        else:
+            pending = Background(lambda: (decode_samples(saved["samples"]), dict(saved["metrics"])),
+                                 name="tandem-rollout")
         try:
             for step in range(start, self.cfg.run.steps):
                 t0 = time.perf_counter()
                 self.phase(step, "wait for rollouts")
-                samples, metrics = pending.result(poll=self.poll_stop)
-                if step > start:  # the weights trained last step reach the engine while it is idle
-                    metrics |= self.sync_weights()
+                try:
+                    samples, metrics = pending.result(poll=self.poll_stop)
+                except Exception:
+                    if self._save_due:  # the rollout failed, the trainer's step did not: keep it
+                        self.save(self._completed)
+                    raise
+                if step > start:  # the end of step - 1 as a checkpoint holds it: this rollout included
+                    self._completed = self._state(rollouts={
+                        "mode": "one_step_off", "data_before": data_before, "samples": encode_samples(samples),
+                        "metrics": metrics})
+                    if self._save_due:
+                        self.save(self._completed)
+                if step > start or saved is not None:
+                    metrics |= self.sync_weights()  # the weights trained last step reach the idle engine
                 metrics |= self.eval_at(step)  # the engine now holds the weights of step - 1
                 metrics |= staleness_metrics(samples, self.version)
-                if step + 1 < self.cfg.run.steps:
+                last = step + 1 == self.cfg.run.steps
+                if not last:
+                    data_before = self.data.state_dict()
                     pending = Background(self.rollout, step + 1, name="tandem-rollout")
                 metrics |= self.train_on(step, samples)
-                self._finish_step(step, metrics, samples, t0)
+                # a stop before rollout step + 1 completes saves without it (it is generated again)
+                self._finish_step(step, metrics, samples, t0, defer_save=not last, data=data_before)
             if self.step > start:
                 self.sync_weights()  # the last update reaches the engine too
         finally:
@@ -470,10 +522,13 @@ class Run:
 
     # -- bookkeeping ----------------------------------------------------------------------------------
 
-    def _finish_step(self, step: int, metrics: dict[str, float], samples: Sequence[Sample], t0: float) -> None:
+    def _finish_step(self, step: int, metrics: dict[str, float], samples: Sequence[Sample], t0: float, *,
+                     defer_save: bool = False, data: dict[str, Any] | None = None) -> None:
+        """Log, count, checkpoint when due (``defer_save``: one-step-off saves once the rollout in flight is
+        complete; ``data``: the data position before it took its prompts)."""
         self.phase(step, "finish")
         self.step = step + 1
-        self._completed = self._state()
+        self._completed = self._state(data=data)
         if self.cluster is not None:
             metrics |= self.cluster.metrics()
         metrics["time/step_s"] = time.perf_counter() - t0
@@ -482,20 +537,33 @@ class Run:
         self.watchdog.step_done()
         self.skips.update(step, metrics)  # raises after runtime.max_skipped_steps skipped steps in a row
         every = self.cfg.run.save_every
-        if (every and self.step % every == 0) or self.step == self.cfg.run.steps:
+        due = bool(every and self.step % every == 0) or self.step == self.cfg.run.steps
+        self._save_due = due and defer_save
+        if due and not defer_save:
             self.save()
         self.phase(self.step, "next step")
         self.signals.check_after_step()  # a stop signal during the step: stop here
 
-    def _state(self) -> dict[str, Any]:
-        return {"version": self.version, "data": self.data.state_dict(), "kl": self.kl_ctl.state_dict(),
-                "rng": rng_state()}
+    def _state(self, *, data: dict[str, Any] | None = None, rollouts: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
+        """What a checkpoint of the current step holds besides the trainer: ``data`` (default: the source's
+        position now) and ``rollouts`` in flight (fully async: the producer's snapshot)."""
+        if rollouts is None and self._snapshot_rollouts is not None:
+            data, rollouts = self._snapshot_rollouts()
+        state = {"version": self.version, "data": data if data is not None else self.data.state_dict(),
+                 "kl": self.kl_ctl.state_dict(), "rng": rng_state()}
+        if rollouts is not None:
+            state["rollouts"] = rollouts
+        if self.cfg.runtime.mode == "one_step_off" and self.step > 0:
+            state["trainer_ahead"] = True  # the trainer's last update reaches the engine with the next step
+        return state
 
-    def save(self) -> Path:
+    def save(self, state: dict[str, Any] | None = None) -> Path:
         """Checkpoint the run at its current step (the end of the last completed one)."""
-        path = save_run_checkpoint(self.run_dir, self.step, self.trainer, self._state(), self.cfg,
+        path = save_run_checkpoint(self.run_dir, self.step, self.trainer, state or self._state(), self.cfg,
                                    keep=self.cfg.run.keep_checkpoints, bucket_bytes=self.cfg.sync.bucket_bytes)
         self._saved_step = self.step
+        self._save_due = False
         return path
 
     def _save_completed(self) -> Path | None:
