@@ -49,7 +49,7 @@ from tandem.runtime.checkpoint import (
 from tandem.runtime.config import RunConfig
 from tandem.runtime.engine_wire import EngineProcessError
 from tandem.runtime.evaluation import Evaluator
-from tandem.runtime.metrics import rollout_metrics, staleness_metrics
+from tandem.runtime.metrics import process_metrics, rollout_metrics, staleness_metrics
 from tandem.runtime.pending import decode_groups, decode_samples, encode_samples
 from tandem.runtime.policy import merge_mini_batch_metrics, mini_batch_rows, old_log_prob_source, run_contract
 from tandem.runtime.preemption import Preempted, StopSignals, StuckInterrupt
@@ -532,6 +532,7 @@ class Run:
         if self.cluster is not None:
             metrics |= self.cluster.metrics()
         metrics["time/step_s"] = time.perf_counter() - t0
+        metrics |= process_metrics()
         self.tracker.log(step, metrics)
         self.progress.done(step, metrics)
         self.watchdog.step_done()

@@ -1,14 +1,30 @@
-"""Per-step rollout metrics computed from samples (plain floats, ready to log)."""
+"""Per-step metrics: rollout statistics computed from samples, and the process's own resources
+(plain floats, ready to log)."""
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
 
 import numpy as np
 
 from tandem.core.sample import Sample, SampleStatus
 
-__all__ = ["rollout_metrics", "staleness_metrics"]
+__all__ = ["process_metrics", "rollout_metrics", "staleness_metrics"]
+
+
+def process_metrics() -> dict[str, float]:
+    """``sys/rss_mib`` (resident memory), ``sys/open_fds``, ``sys/threads`` (Python threads) of this
+    process, logged every step so that a leak shows as a trend (Linux /proc; elsewhere only threads)."""
+    out = {"sys/threads": float(threading.active_count())}
+    try:
+        with open("/proc/self/statm") as f:
+            out["sys/rss_mib"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        out["sys/open_fds"] = float(len(os.listdir("/proc/self/fd")))
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
 
 
 def rollout_metrics(samples: Sequence[Sample], *, seconds: float) -> dict[str, float]:

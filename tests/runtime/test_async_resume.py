@@ -22,7 +22,7 @@ from tandem.runtime.tracking import read_metrics
 
 RECIPE = Path(__file__).parents[2] / "recipes" / "tiny" / "grpo-sync.yaml"
 EVEN = ["reward.terms=[{name: 'tests.runtime.rewards:even_tokens'}]"]
-DROP = ("time", "rollout/tokens_per_s", "train/tokens_per_s", "train/step_time_s", "sync/seconds", "sync/gbps")
+DROP = ("time", "rollout/tokens_per_s", "train/tokens_per_s", "train/step_time_s", "sync/seconds", "sync/gbps", "sys/")
 
 
 def _cfg(*overrides: str) -> RunConfig:

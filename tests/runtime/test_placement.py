@@ -44,7 +44,7 @@ RECIPE = Path(__file__).parents[2] / "recipes" / "tiny" / "grpo-separate.yaml"
 EVEN = ["reward.terms=[{name: 'tests.runtime.rewards:even_tokens'}]"]
 TORCH_ENGINE = "tandem.engines.inference.torch:TorchEngine"
 # wall-clock figures, which no two runs share
-TIME_KEYS = ("time", "rollout/tokens_per_s", "train/tokens_per_s", "train/step_time_s", "sync/seconds", "sync/gbps")
+TIME_KEYS = ("time", "rollout/tokens_per_s", "train/tokens_per_s", "train/step_time_s", "sync/seconds", "sync/gbps", "sys/")
 
 
 def _cfg(*overrides: str) -> RunConfig:
