@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
 import time
 
 from tandem.core.sample import Sample
@@ -43,3 +46,42 @@ def pg_loss(output, batch, scale):
     mask = batch.loss_mask
     loss = -(output.log_probs * batch.advantages * mask).sum() / scale.num_tokens
     return loss, {"loss/pg": float(loss)}
+
+
+# -- reward isolation (tests/rewards/test_reward_isolation.py) -----------------------------------------
+
+
+def misbehaving(sample: Sample) -> float:
+    """1.0, except on a response "hang" (never returns), "slow" (returns after 2 s), "exit" (ends its
+    process with exit code 3) or "segv" (a segfault)."""
+    if sample.response == "hang":
+        time.sleep(10**6)
+    elif sample.response == "slow":
+        time.sleep(2)
+    elif sample.response == "exit":
+        os._exit(3)
+    elif sample.response == "segv":
+        os.kill(os.getpid(), signal.SIGSEGV)
+    return 1.0
+
+
+def reads_fields(sample: Sample) -> float:
+    """len(response) + metadata["bonus"] + the sum of the routed experts (fields a reward process must
+    receive intact); NaN for a response "nan", raises on "boom"."""
+    if sample.response == "boom":
+        raise RuntimeError("boom")
+    if sample.response == "nan":
+        return float("nan")
+    experts = sample.rollout_routed_experts
+    routed = 0 if experts is None else int(experts.sum())
+    return len(sample.response) + sample.metadata.get("bonus", 0) + routed
+
+
+async def async_even_tokens(sample: Sample) -> float:
+    await asyncio.sleep(0)
+    return even_tokens(sample)
+
+
+def batched_position(samples: list[Sample]) -> list[dict[str, float]]:
+    """A batched reward: each sample's position in the batch, as a dict reward."""
+    return [{"score": i / len(samples)} for i in range(len(samples))]
