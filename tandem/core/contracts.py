@@ -89,7 +89,7 @@ class RunSettings:
     trainer_deterministic: bool
     engine_deterministic: bool
     routing_replay: bool
-    lora: bool
+    lora: bool  # LoRA adapters reach the engine merged into its weights
     trainer_temperature: float
     engine_temperature: float
     # how to turn on what an exact contract needs, by requirement key (the engine entries' hints); a key
@@ -183,7 +183,8 @@ _HOW = {
     "engine_deterministic": "a deterministic (batch-invariant) inference engine",
     "same_dtype": "the same dtype on both sides (model.dtype, trainer and engine)",
     "same_temperature": "the trainer's temperature equal to rollout.sampling.temperature",
-    "lora": "no LoRA (adapters unmerged in training compute other bits than merged weights)",
+    "lora": "LoRA adapters served unmerged (sync.lora_mode: adapter, to an engine that serves adapters): "
+            "merged weights compute other bits than the trainer's unmerged adapters",
     "routing_replay": "routing replay (R3) in the trainer for a MoE model",
 }
 

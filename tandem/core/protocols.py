@@ -187,6 +187,9 @@ class GenerationRequest:
     # requests of one conversation share it: a router in front of several replicas sends them to one
     # replica (its prefix stays warm there); an engine ignores it
     session_id: str | None = None
+    # the LoRA adapter to generate with (engines with ``info.lora_adapters``): None = the engine's default
+    # (the policy adapter a LoRA run syncs, else the base model), "base" = no adapter, else a loaded name
+    lora: str | None = None
 
     def check(
         self, *, vocab_size: int, max_model_len: int, routed_experts: bool = False
@@ -200,6 +203,8 @@ class GenerationRequest:
         value and the limit; an engine turns it into this request's error result.
         """
         sampling = SamplingParams.coerce(self.sampling)
+        if self.lora is not None and (not isinstance(self.lora, str) or not 0 < len(self.lora) <= 128):
+            raise ValueError(f"lora={self.lora!r} must be an adapter name (a string of 1 to 128 characters) or None")
         bad_stop = [t for t in sampling.stop_token_ids if not isinstance(t, int | np.integer) or not 0 <= t < vocab_size]
         if bad_stop:
             raise ValueError(f"stop token id {bad_stop[0]!r} is outside the vocabulary [0, {vocab_size})")

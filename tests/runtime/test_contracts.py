@@ -57,7 +57,7 @@ def test_registry_resolution_and_startup_errors():
     with pytest.raises(ContractError, match=r"routing replay \(R3\) in the trainer"):
         resolve_contract(_settings(moe=True), ContractConfig(expect="exact"))
     assert resolve_contract(_settings(moe=True, routing_replay=True), ContractConfig(expect="exact")).relation == "exact"
-    with pytest.raises(ContractError, match="no LoRA"):
+    with pytest.raises(ContractError, match=r"LoRA adapters served unmerged \(sync.lora_mode: adapter"):
         resolve_contract(_settings(lora=True), ContractConfig(expect="exact"))
     with pytest.raises(ContractError, match="has no exact contract"):
         resolve_contract(_settings(engine="vllm"), ContractConfig(expect="exact"))

@@ -39,6 +39,12 @@ class TorchEngineConfig:
     )
     device: Literal["cpu", "cuda"] = "cpu"
     quantization: QuantConfig | None = None  # serve quantize->dequantize weights (tandem.kernels)
+    # LoRA adapters served unmerged (engines/inference/torch/lora.py): the scaling alpha of the adapters
+    # `load_lora_adapter` receives (a LoRA run with sync.lora_mode: adapter fills in the trainer's);
+    # None: no adapter-only sync (adapters from peft folders carry their own alpha)
+    lora_alpha: float | None = None
+    lora_max_rank: int = 64
+    max_loras: int = 4  # adapters loaded at once (requests choose one by name)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -54,6 +60,12 @@ class TorchEngineConfig:
             raise ValueError(f"prefill_chunk={self.prefill_chunk} must be >= 1")
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads={self.num_threads} must be >= 1 (or None)")
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha={self.lora_alpha} must be > 0 (or None)")
+        if self.lora_max_rank < 1:
+            raise ValueError(f"lora_max_rank={self.lora_max_rank} must be >= 1")
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras={self.max_loras} must be >= 1")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda'")
 

@@ -50,6 +50,7 @@ from tandem.core.protocols import (
 )
 from tandem.engines.inference.torch.config import TorchEngineConfig
 from tandem.engines.inference.torch.kv_cache import KVCache, StepAttention
+from tandem.engines.inference.torch.lora import AdapterMethods, ServedAdapters
 from tandem.engines.inference.torch.sampling import RowSampler, derive_seed, sample_tokens
 from tandem.engines.inference.torch.scheduler import Phase, RequestState, Scheduler, StepPlan, error_result
 from tandem.kernels.load import DequantizeOnLoad
@@ -76,8 +77,9 @@ def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
         target.copy_(src)
 
 
-class TorchEngine:
-    """Batched generation with a KV cache, log-probs, live weight updates and a batch-invariant mode."""
+class TorchEngine(AdapterMethods):
+    """Batched generation with a KV cache, log-probs, live weight updates, LoRA adapters served unmerged
+    (`tandem.engines.inference.torch.lora`) and a batch-invariant mode."""
 
     def __init__(self, config: TorchEngineConfig, *, model: CausalLM | None = None) -> None:
         self.config = config
@@ -122,6 +124,8 @@ class TorchEngine:
         # oneDNN-packed weight copies; the numerics mode of every step reads this dict
         self._packed: dict[int, torch.Tensor] = {}
         self._pack()
+        self.adapters = ServedAdapters(self.model, max_adapters=config.max_loras, max_rank=config.lora_max_rank)
+        self._policy_adapter: str | None = None  # what requests without ``lora`` use (load_lora_adapter's)
         self._version = 0
         self._seed_rng = random.Random(config.seed)
         self._sleeping = False
@@ -139,7 +143,7 @@ class TorchEngine:
             name="torch", version=tandem.__version__, dtype=str(self.model.dtype).removeprefix("torch."),
             deterministic=config.deterministic, moe_layers=tuple(args.moe_layers), max_context=config.max_model_len,
             vocab_size=args.vocab_size, can_sleep=True, can_score=True, routed_experts=bool(args.moe_layers),
-            exposes_weights=True, partial_updates=True,
+            exposes_weights=True, partial_updates=True, lora_adapters=config.lora_alpha is not None,
         )
 
     # -- the InferenceEngine protocol -------------------------------------------------------------------
@@ -147,7 +151,7 @@ class TorchEngine:
     @property
     def info(self) -> EngineInfo:
         """Sleeps, scores, returns routed experts for MoE models, takes partial updates, exposes its weights;
-        LoRA adapters arrive merged (``sync.lora_mode: merged``)."""
+        serves LoRA adapters unmerged where ``lora_alpha`` is set (``sync.lora_mode: adapter``)."""
         return self._info
 
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -249,6 +253,9 @@ class TorchEngine:
                 target = self._weights[name]
                 _copy_into(target, tensor if self._quant is None else self._quant.served(name, tensor, target.dtype))
             repack(self._packed, [self._weights[name] for name, _ in items])
+            if self._policy_adapter is not None:  # full weights replace the synced adapter (as vLLM does)
+                self.adapters.remove(self._policy_adapter)
+                self._policy_adapter = None
             self._version = int(version)
 
     def _incoming(self, items: list, version: int) -> list:
@@ -302,7 +309,8 @@ class TorchEngine:
                     cu = F.pad(torch.cumsum(lengths, 0), (1, 0))
                     flat = torch.tensor([t for ids, _ in chunk for t in ids], device=device)
                     positions = torch.cat([torch.arange(n, device=device) for n in lengths.tolist()])
-                    hidden = self.model(flat, positions, packed_attention(cu))
+                    with self.adapters.rows([self._policy_adapter] * len(flat), device):
+                        hidden = self.model(flat, positions, packed_attention(cu))
                     rows, targets, owner = [], [], []
                     for k, (ids, p) in enumerate(chunk):
                         base = int(cu[k])
@@ -425,10 +433,11 @@ class TorchEngine:
     def _check(self, request: GenerationRequest) -> tuple[list[int], SamplingParams] | str:
         """The validated prompt and sampling parameters, or the error message for this request."""
         try:
-            return request.check(vocab_size=self.model.args.vocab_size, max_model_len=self.config.max_model_len,
-                                 routed_experts=self._info.routed_experts)
+            checked = request.check(vocab_size=self.model.args.vocab_size, max_model_len=self.config.max_model_len,
+                                    routed_experts=self._info.routed_experts)
         except ValueError as e:
             return str(e)
+        return self._check_adapter(request) or checked
 
     # -- driving -------------------------------------------------------------------------------------------
 
@@ -517,12 +526,13 @@ class TorchEngine:
         )
         wants_routing = any(s.request.params.return_routed_experts for s in plan.sequences)
         routing = MoERouting(self.model.args.moe_layers) if wants_routing else None
-        hidden = self.model(
-            torch.tensor(ids, dtype=torch.long, device=device),
-            torch.tensor(positions, dtype=torch.long, device=device),
-            ctx,
-            routing,
-        )
+        with self.adapters.rows(self._row_adapters(plan) or [], device):
+            hidden = self.model(
+                torch.tensor(ids, dtype=torch.long, device=device),
+                torch.tensor(positions, dtype=torch.long, device=device),
+                ctx,
+                routing,
+            )
         # rows that produce a token: every decode row, and the last row of a prompt that completes
         rows, samplers, sampling = (
             list(range(len(plan.decode))),

@@ -181,7 +181,8 @@ class FSDPEngine:
             name="fsdp",
             version=tandem_version(),
             dtype=cfg.parallel.param_dtype or cfg.model.dtype,
-            deterministic=cfg.deterministic,
+            # LoRA dropout makes the training forward random: no exact contract with it
+            deterministic=cfg.deterministic and not (cfg.lora is not None and cfg.lora.dropout > 0),
             moe_layers=tuple(loaded.moe_layers),
             max_context=loaded.max_context or 2**62,
             vocab_size=getattr(spec, "vocab_size", None),
