@@ -108,10 +108,11 @@ class RunFacts:
     routing_replay: bool = False  # the trainer replays the rollout's MoE routes: the engine must return them
     lora_rank: int | None = None  # the trainer trains LoRA adapters of this rank (None: full weights)
     lora_alpha: float | None = None
+    lora_base_quantization: Any = None  # QLoRA: the trainer's base is quantized so (a QuantConfig)
 
     def with_trainer(self, facts: TrainerFacts) -> RunFacts:
         return dataclasses.replace(self, routing_replay=facts.routing_replay, lora_rank=facts.lora_rank,
-                                   lora_alpha=facts.lora_alpha)
+                                   lora_alpha=facts.lora_alpha, lora_base_quantization=facts.lora_base_quantization)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -121,6 +122,7 @@ class TrainerFacts:
     routing_replay: bool = False
     lora_rank: int | None = None
     lora_alpha: float | None = None
+    lora_base_quantization: Any = None
 
 
 @dataclass(kw_only=True, slots=True)

@@ -38,11 +38,13 @@ from tandem.kernels.mxfp8 import dequantize_mxfp8, quantize_mxfp8
 __all__ = [
     "companion_names",
     "dequantize_state_dict",
+    "dequantize_tensor",
     "dequantized_grid",
     "find_quantized",
     "grid_key",
     "iter_quantized",
     "quantize_state_dict",
+    "quantize_tensor",
 ]
 
 NamedTensors = Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]]
@@ -201,3 +203,15 @@ def _companion_owner(name: str, tensors: Mapping[str, torch.Tensor]) -> str | No
         if base != name and (base in tensors or f"{base}_packed" in tensors):
             return base
     return None
+
+
+def quantize_tensor(name: str, w: torch.Tensor, cfg: QuantConfig) -> list[tuple[str, torch.Tensor]]:
+    """One weight quantized under ``cfg``: its tensors under `companion_names` (``name`` first)."""
+    return list(_quantize_one(name, w, cfg))
+
+
+def dequantize_tensor(name: str, tensors: Mapping[str, torch.Tensor], cfg: QuantConfig,
+                      dtype: torch.dtype) -> torch.Tensor:
+    """The inverse of `quantize_tensor`: ``dequantize(quantize(w))`` in ``dtype``, the bits
+    `tandem.kernels.fake_quantize_weight` gives (a QLoRA base and the engine serving it agree)."""
+    return _dequantize_one(name, tensors, cfg, dtype)

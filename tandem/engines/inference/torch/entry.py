@@ -20,7 +20,17 @@ def fill(facts: RunFacts, config: Any):
     changes["max_model_len"] = min(ec.max_model_len, facts.max_context)
     if facts.adapter_sync and facts.lora_rank is not None and ec.lora_alpha is None:
         changes |= {"lora_alpha": facts.lora_alpha, "lora_max_rank": max(ec.lora_max_rank, facts.lora_rank)}
+    if facts.adapter_sync and facts.lora_base_quantization is not None and ec.quantization is None:
+        changes["quantization"] = facts.lora_base_quantization  # QLoRA: serve the trainer's base bits
     return dataclasses.replace(ec, **changes)
+
+
+def refuse(facts: RunFacts, config: Any) -> dict[str, str]:
+    q = facts.lora_base_quantization
+    if q is not None and facts.adapter_sync and config.quantization != q:
+        return {"inference.torch.quantization": f"the trainer's LoRA base is quantized as {q.format}; the engine "
+                                                "must serve the same format (leave quantization unset to get it)"}
+    return {}
 
 
 ENTRY = EngineEntry(
@@ -29,6 +39,7 @@ ENTRY = EngineEntry(
     config="tandem.engines.inference.torch.config:TorchEngineConfig",
     factory="tandem.engines.inference.torch.engine:TorchEngine",
     fill=fill,
+    refuse=refuse,
     # routed experts for MoE models only; LoRA adapters unmerged (sync.lora_mode: adapter) or merged
     capabilities=frozenset({"can_sleep", "can_score", "routed_experts", "exposes_weights", "partial_updates",
                             "lora_adapters"}),

@@ -22,12 +22,21 @@ def fill(facts: RunFacts, config: Any):
     return dataclasses.replace(ec, **changes)
 
 
+def refuse(facts: RunFacts, config: Any) -> dict[str, str]:
+    if facts.lora_base_quantization is not None:
+        return {"trainer.fsdp.lora.quantize_base": "vLLM would serve the full-precision base under the trainer's "
+                                                   "adapters, not the quantized base it trains on; use "
+                                                   "inference.engine: torch (it serves the same quantized bits)"}
+    return {}
+
+
 ENTRY = EngineEntry(
     name="vllm",
     kind="inference",
     config="tandem.engines.inference.vllm.config:VLLMEngineConfig",
     factory="tandem.engines.inference.vllm.engine:VLLMEngine",
     fill=fill,
+    refuse=refuse,
     # sleep mode on CUDA/ROCm/XPU only (the built engine's info says)
     capabilities=frozenset({"can_sleep", "lora_adapters"}),
     why_not={"can_score": "the adapter has no prefill score()", "routed_experts": "vLLM returns no routed experts",

@@ -57,6 +57,9 @@ class LoRAConfig:
     dropout: float = 0.0
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
     sync: Literal["merged", "adapter"] = "merged"
+    # QLoRA: keep the frozen base's linear weights quantized (fp8_block, mxfp8, int4; tandem.kernels),
+    # dequantized on the fly (fsdp/qlora.py); the embedded engine serves the same bits
+    quantize_base: QuantConfig | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -67,6 +70,8 @@ class LoRAConfig:
             raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
         if not self.target_modules:
             raise ValueError("target_modules must name at least one module")
+        if self.quantize_base is not None and self.quantize_base.quantize_activations:
+            raise ValueError("quantize_base.quantize_activations: a QLoRA base quantizes weights only")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -139,5 +144,6 @@ class FSDPConfig:
         if self.qat is not None and self.lora is not None:
             raise ValueError(
                 "qat and lora cannot be combined: the engine would receive merged weights quantized as a "
-                "whole, while training fake-quantizes the base weight alone; drop one of them"
+                "whole, while training fake-quantizes the base weight alone; for LoRA on a quantized frozen base "
+                "set lora.quantize_base (QLoRA) instead of qat"
             )

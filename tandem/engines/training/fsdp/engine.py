@@ -48,6 +48,7 @@ from tandem.engines.training.fsdp.modules import (
     apply_quantization,
     decoder_layers,
     load_lm,
+    output_module_name,
 )
 from tandem.engines.training.fsdp.parallel import (
     apply_fsdp,
@@ -162,6 +163,10 @@ class FSDPEngine:
             apply_quantization(loaded, config.qat)
         if config.lora is not None:
             apply_lora(loaded.lm, config.lora)
+            if config.lora.quantize_base is not None:  # QLoRA: the frozen base held quantized
+                from tandem.engines.training.fsdp.qlora import quantize_base
+
+                quantize_base(loaded.lm, config.lora.quantize_base, output_module=output_module_name(loaded))
         self.policy = _Trainable(
             self._shard(PolicyModel(loaded), loaded, trainable=True),
             config.optimizer,

@@ -51,7 +51,8 @@ def _moe_layers(name: str) -> tuple[int, ...]:
 def describe(config: Any) -> TrainerFacts:
     lora = config.lora
     return TrainerFacts(routing_replay=config.routing_replay, lora_rank=lora.rank if lora else None,
-                        lora_alpha=lora.alpha if lora else None)
+                        lora_alpha=lora.alpha if lora else None,
+                        lora_base_quantization=lora.quantize_base if lora else None)
 
 
 ENTRY = EngineEntry(

@@ -35,8 +35,15 @@ def _policy_from_checkpoint(ckpt_dir: Path, meta: dict) -> tuple[PolicyModel, Pa
     loaded = load_lm(model_cfg, packing=bool(meta["native"]))
     lora = meta.get("lora")
     if lora:
-        lora_cfg = LoRAConfig(**{**lora, "target_modules": tuple(lora["target_modules"])})
+        from tandem.config import from_dict
+
+        lora_cfg = from_dict(LoRAConfig, lora, path="lora")
         apply_lora(loaded.lm, lora_cfg)
+        if lora_cfg.quantize_base is not None:  # QLoRA: the base the adapters were trained on
+            from tandem.engines.training.fsdp.modules import output_module_name
+            from tandem.engines.training.fsdp.qlora import quantize_base
+
+            quantize_base(loaded.lm, lora_cfg.quantize_base, output_module=output_module_name(loaded))
     policy = PolicyModel(loaded)
     load_model_weights(ckpt_dir, "policy", policy, frozen_params_saved=not lora)
     return policy, Path(loaded.path)

@@ -75,6 +75,12 @@ def adapters_disabled(model: nn.Module):
             p.requires_grad_(trainable[id(p)])
 
 
+def _quantized_layers(model: nn.Module) -> dict[str, nn.Module]:
+    from tandem.engines.training.fsdp.qlora import QuantizedLinear
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
 def _merged(layer: nn.Module, base: torch.Tensor, gather: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     a = gather(layer.lora_A[ADAPTER].weight)
     b = gather(layer.lora_B[ADAPTER].weight)
@@ -97,11 +103,20 @@ def hf_tensors(
     under peft's file names (``base_model.model.<module>.lora_A.weight``).
     """
     layers = _lora_layers(lm)
+    quantized = _quantized_layers(lm)
     seen: set[int] = set()
     for name, t in lm.state_dict(keep_vars=True).items():
         if id(t) in seen or name in skip_names:
             continue
         seen.add(id(t))
+        module, _, leaf = name.rpartition(".")
+        if module in quantized:  # QLoRA: the base weight is its quantized tensors (one name per weight)
+            if adapter_only or leaf != "q":
+                continue
+            owner = module.removesuffix(_BASE[:-1])
+            full = quantized[module].dequantized()
+            yield f"{owner}.weight", _merged(layers[owner], full, gather) if owner in layers else full
+            continue
         if ".lora_" in name:
             if adapter_only:
                 yield "base_model.model." + name.replace(f".{ADAPTER}.", "."), gather(t)

@@ -30,7 +30,8 @@ from tandem.ops.batch_invariant import packed_attention
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CriticModel", "LoadedLM", "PolicyModel", "apply_quantization", "decoder_layers", "load_lm"]
+__all__ = ["CriticModel", "LoadedLM", "PolicyModel", "apply_quantization", "decoder_layers", "load_lm",
+           "output_module_name"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -76,10 +77,15 @@ def apply_quantization(loaded: LoadedLM, cfg: QuantConfig) -> list[str]:
     module's forward. Raises ValueError for it and for a target pattern that matches nothing.
     """
     lm = loaded.lm
-    head = lm.lm_head if loaded.native else lm.get_output_embeddings()
-    head_name = next((name for name, m in lm.named_modules() if m is head), None)
-    qat_targets(lm, cfg, output_module=head_name)
+    qat_targets(lm, cfg, output_module=output_module_name(loaded))
     return apply_qat(lm, cfg)
+
+
+def output_module_name(loaded: LoadedLM) -> str | None:
+    """The module name of the LM's output projection (never a quantization target)."""
+    lm = loaded.lm
+    head = lm.lm_head if loaded.native else lm.get_output_embeddings()
+    return next((name for name, m in lm.named_modules() if m is head), None)
 
 
 def decoder_layers(lm: nn.Module, native: bool) -> list[nn.Module]:
