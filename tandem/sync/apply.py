@@ -25,6 +25,7 @@ engine's weights afterwards (`tandem.sync.verify`), against the mapped tensors.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -83,8 +84,15 @@ class WeightApplier:
         self.dequantize = dequantize
         self.dtype = dtype
         self.transform = transform
+        # one update at a time: the version check and the update are one step, also when two receivers
+        # (a failover pair, tandem.sync.failover) apply through this applier from two threads
+        self._lock = threading.Lock()
 
     def __call__(self, named: NamedList, version: int, *, verify: bool = False) -> dict[str, Any] | None:
+        with self._lock:
+            return self._apply(named, version, verify=verify)
+
+    def _apply(self, named: NamedList, version: int, *, verify: bool) -> dict[str, Any] | None:
         engine = self.engine
         current = int(engine.weight_version)
         if version < current:

@@ -77,6 +77,11 @@ class SyncConfig:
     delta: bool = False
     keep_versions: int = 2
     poll_interval_s: float = 0.5  # how often an engine-side disk receiver looks for a new version
+    # failover (docs/sync.md, "Failover"): a failed broadcast is sent again ``retries`` times (same
+    # version); then, with ``fallback``, that version and every later one go through that transport
+    # (disk: ``directory``; the engine process listens on both from the start)
+    retries: int = 1
+    fallback: Literal["disk"] | None = None
     # LoRA: send merged full weights, or the adapter alone (to engines that load adapters)
     lora_mode: Literal["merged", "adapter"] = "merged"
     # quantize on send through tandem.kernels: use the trainer's QAT config so the engine gets the
@@ -111,6 +116,27 @@ class SyncConfig:
             raise ValueError(f"port={self.port} must be in [0, 65535] (0 picks a free port)")
         if self.poll_interval_s <= 0:
             raise ValueError(f"poll_interval_s={self.poll_interval_s} must be > 0")
+        if self.retries < 0:
+            raise ValueError(f"retries={self.retries} must be >= 0 (0: no retry)")
+        if self.fallback is not None:
+            self._check_fallback()
+
+    def _check_fallback(self) -> None:
+        """Refuse a fallback that cannot work (``auto`` is checked again once the run resolves it)."""
+        fallback, transport = self.fallback, self.transport
+        if fallback == transport:
+            raise ValueError(f"fallback={fallback!r} is the transport itself (transport={transport!r}): a fallback "
+                             "must be another transport (e.g. transport: broadcast, fallback: disk)")
+        if transport not in ("auto", "broadcast"):
+            why = {"inprocess": "in-process sync copies into an engine in the trainer's own process, the colocated "
+                                "placement: nothing to fall back from, and no engine-side disk receiver",
+                   "disk": "disk has no other engine-side transport to fall back to here",
+                   "ray": "Ray replicas receive through the object store only"}.get(
+                       transport, "its engine side has no disk receiver beside it")
+            raise ValueError(f"fallback={fallback!r} does not work with transport={transport!r} ({why}); a fallback "
+                             "backs up transport: broadcast (runtime.placement: separate)")
+        if fallback == "disk" and not self.directory:
+            raise ValueError(f"fallback='disk' needs sync.directory (where transport={transport!r} falls back to)")
 
 
 def _byte_view(t: torch.Tensor) -> np.ndarray:

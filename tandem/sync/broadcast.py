@@ -23,8 +23,8 @@ If a peer dies mid-transfer the sender sets ``abort`` in the group's store and r
 surviving receivers notice it while waiting on their collective, drop the staged update (the engine
 keeps its weights and version) and wait for the sender to re-form the group: the next ``send`` starts
 a new generation under a fresh store prefix and waits up to ``timeout_s`` for every receiver to join.
-A broken group is kept referenced (its pending work may block until the collective timeout, and
-destroying it would block the caller).
+A broken group is kept referenced for the life of the process (``_ABANDONED``: its pending work may
+block until the collective timeout, and destroying it would block the caller).
 
 **Authentication** (``secret``; docs/sync.md, "Security"; `tandem.sync.auth`): the store and gloo listen
 on ``host``'s interface only; joins answer a challenge and are admitted with HMAC-SHA256 tags;
@@ -77,6 +77,12 @@ _ABORT_CHECK_S = 0.1  # gloo: check the store's abort key this often while waiti
 _IDLE_POLL_S = 0.05  # sleep between checks for a group to join (or close acknowledgements)
 _IDLE_WAIT_S = 0.5  # an idle receiver's blocking wait for the next announcement, per slice
 ApplyFn = Callable[..., Any]
+# Groups abandoned after a failed update (either side). Destroying a gloo group with a collective still
+# posted blocks until that collective times out (gloo cannot cancel it), so they are parked here rather
+# than on the sender / receiver: dropping one of those (an engine process closing its receiver after a
+# failover, tandem.sync.failover) must not wait out `timeout_s`. The engine process ends with os._exit,
+# which destroys nothing; a plain interpreter exit still waits (docs/sync.md, "Known limit").
+_ABANDONED: list[_Group] = []
 
 
 class _Aborted(SyncError):
@@ -165,7 +171,6 @@ class BroadcastSender:
         self._token = secrets.token_hex(4)  # a restarted sender never reuses a generation name
         self._generation = 0
         self._group: _Group | None = None
-        self._broken: list[_Group] = []
         self._pool = BufferPool(self.device)
         self._last_buckets = 0
         self._bucket_tags: list[str] = []
@@ -304,7 +309,7 @@ class BroadcastSender:
             group.store.set("abort", reason)
         except Exception:  # noqa: BLE001 - best effort: the store is ours, this should not fail
             log.exception("could not post the abort of sync group %s", group.session)
-        self._broken.append(group)
+        _ABANDONED.append(group)
         self._group = None
 
     def close(self, wait_s: float = 5.0) -> None:
@@ -355,7 +360,6 @@ class BroadcastReceiver:
         self.stop_requested = False  # set by `EngineReceiver.stop`: idle waits return None
         self.store = self._store()
         self._group: _Group | None = None
-        self._broken: list[_Group] = []
         self._seen_session = ""
         self._pool = BufferPool(self.device)
         self._hasher = ThreadPoolExecutor(1, thread_name_prefix="tandem-sync-hash")
@@ -478,7 +482,7 @@ class BroadcastReceiver:
 
     def _drop_group(self) -> None:
         if self._group is not None:
-            self._broken.append(self._group)
+            _ABANDONED.append(self._group)
         self._group = None
 
     def receive(self, apply: ApplyFn) -> int | None:

@@ -19,6 +19,7 @@ an engine calls `tandem.sync.ray_store.receive_from_refs` with a `WeightApplier`
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable
@@ -27,6 +28,7 @@ from typing import Any
 from tandem.kernels.config import QuantConfig
 from tandem.sync.apply import WeightApplier
 from tandem.sync.base import SyncConfig, SyncError
+from tandem.sync.failover import FailoverReceiver
 
 __all__ = ["EngineReceiver", "build_receiver"]
 
@@ -41,6 +43,10 @@ class EngineReceiver:
     ``on_update(version)`` runs in the receiving thread after each applied update (e.g. to log it).
     ``verify`` (disk only; the other transports take it from the sender): check the engine against
     the manifest's hashes after each update and count a mismatch as an error.
+
+    A `FailoverReceiver` (``sync.fallback``, `tandem.sync.failover`) gets one thread per transport, both
+    applying through the same `WeightApplier` (one update at a time, versions never backwards); the
+    counts and errors are the sum of both, ``health()["transports"]`` has each one's.
     """
 
     def __init__(
@@ -58,32 +64,40 @@ class EngineReceiver:
         self.engine, self.receiver = engine, receiver
         self.applier = WeightApplier(engine, dequantize=dequantize)
         self.poll_interval_s, self.verify, self.on_update = poll_interval_s, verify, on_update
-        self.updates = 0
+        parts = receiver.parts(verify) if isinstance(receiver, FailoverReceiver) else [("sync", receiver, verify)]
+        self._channels = [_Channel(name, rx, v) for name, rx, v in parts]
         self.errors: list[str] = []
+        self._lock = threading.Lock()
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
 
     # -- lifecycle ---------------------------------------------------------------------------------
 
     def start(self) -> EngineReceiver:
-        if self._thread is not None:
+        if self._threads:
             raise RuntimeError("EngineReceiver already started")
-        self._thread = threading.Thread(target=self._loop, name="tandem-sync-receiver", daemon=True)
-        self._thread.start()
+        for channel in self._channels:
+            suffix = "" if len(self._channels) == 1 else f"-{channel.name}"
+            thread = threading.Thread(target=self._loop, args=(channel,), name=f"tandem-sync-receiver{suffix}",
+                                      daemon=True)
+            self._threads.append(thread)
+            thread.start()
         return self
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """Stop after the update in progress (if any); idle waits end at once."""
         self._stop.set()
-        if hasattr(self.receiver, "stop_requested"):
-            self.receiver.stop_requested = True
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
-                log.warning("the sync receiver thread did not stop within %.0fs", timeout_s)
-        close = getattr(self.receiver, "close", None)
-        if callable(close):
-            close()
+        for channel in self._channels:
+            if hasattr(channel.receiver, "stop_requested"):
+                channel.receiver.stop_requested = True
+        for thread in self._threads:
+            thread.join(timeout_s)
+            if thread.is_alive():
+                log.warning("the sync receiver thread %s did not stop within %.0fs", thread.name, timeout_s)
+        for channel in self._channels:
+            close = getattr(channel.receiver, "close", None)
+            if callable(close):
+                close()
 
     def __enter__(self) -> EngineReceiver:
         return self.start()
@@ -93,7 +107,11 @@ class EngineReceiver:
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return any(t.is_alive() for t in self._threads)
+
+    @property
+    def updates(self) -> int:
+        return sum(c.updates for c in self._channels)
 
     @property
     def last_error(self) -> str | None:
@@ -101,53 +119,73 @@ class EngineReceiver:
 
     # -- receiving ---------------------------------------------------------------------------------
 
-    def serve_once(self) -> int | None:
+    def serve_once(self, transport: str | None = None) -> int | None:
         """Receive (or poll for) one update and apply it; its version, or None if there was none.
 
+        ``transport``: which receiver of a failover pair (its name; default: the first, the primary).
         Raises `SyncError` if the update failed (the engine kept its weights and version).
         """
-        poll = getattr(self.receiver, "poll", None)
+        channel = self._channels[0] if transport is None else next(c for c in self._channels if c.name == transport)
+        return self._serve(channel)
+
+    def _serve(self, channel: _Channel) -> int | None:
+        poll = getattr(channel.receiver, "poll", None)
         if callable(poll):
-            version = poll(self.applier, verify=self.verify)
+            version = poll(self.applier, verify=channel.verify)
         else:
-            version = self.receiver.receive(self.applier)
+            version = channel.receiver.receive(self.applier)
         if version is not None:
-            self.updates += 1
+            channel.updates += 1
             if self.on_update is not None:
                 self.on_update(version)
         return version
 
-    def _loop(self) -> None:
-        polling = callable(getattr(self.receiver, "poll", None))
+    def _loop(self, channel: _Channel) -> None:
+        polling = callable(getattr(channel.receiver, "poll", None))
         while not self._stop.is_set():
             try:
-                version = self.serve_once()
+                version = self._serve(channel)
             except Exception as e:  # noqa: BLE001 - a failed update must not end the engine's receiving
-                self._record(e)
+                self._record(channel, e)
                 self._stop.wait(0.05)
                 continue
             if version is None:
                 if not polling:
-                    log.info("the sync sender closed; the receiver stops")
+                    log.info("the %s sender closed; the receiver stops", channel.name)
                     return
                 self._stop.wait(self.poll_interval_s)
 
-    def _record(self, e: Exception) -> None:
+    def _record(self, channel: _Channel, e: Exception) -> None:
         message = f"{type(e).__name__}: {e}"
-        self.errors = [*self.errors[-(_MAX_ERRORS - 1) :], message]
+        if len(self._channels) > 1:
+            message = f"{channel.name}: {message}"
+        with self._lock:
+            channel.errors += 1
+            self.errors = [*self.errors[-(_MAX_ERRORS - 1) :], message]
         if isinstance(e, SyncError):
             log.warning("weight update failed, engine kept version %s: %s", self.engine.weight_version, message)
         else:
             log.exception("weight receiver error")
 
     def health(self) -> dict[str, Any]:
-        return {
+        out = {
             "running": self.running,
             "updates": self.updates,
             "errors": len(self.errors),
             "last_error": self.last_error,
             "weight_version": self.engine.weight_version,
         }
+        if len(self._channels) > 1:
+            out["transports"] = {c.name: {"updates": c.updates, "errors": c.errors} for c in self._channels}
+        return out
+
+
+class _Channel:
+    """One transport's receiver inside an `EngineReceiver`, with its counts."""
+
+    def __init__(self, name: str, receiver: Any, verify: bool) -> None:
+        self.name, self.receiver, self.verify = name, receiver, verify
+        self.updates = self.errors = 0
 
 
 def build_receiver(cfg: SyncConfig, *, rank: int = 1) -> Any:
@@ -155,8 +193,14 @@ def build_receiver(cfg: SyncConfig, *, rank: int = 1) -> Any:
 
     In-process needs none (raises); Ray receivers are actor methods (see `tandem.sync.ray_store`).
     Broadcast and disk authenticate with ``cfg.resolved_secret()`` (none: nothing is authenticated,
-    which a sender that has a secret refuses).
+    which a sender that has a secret refuses). With ``cfg.fallback`` a `FailoverReceiver` holds the
+    receivers of both transports (an `EngineReceiver` serves each from its own thread).
     """
+    if cfg.fallback is not None:
+        primary = build_receiver(dataclasses.replace(cfg, fallback=None), rank=rank)
+        fallback = build_receiver(dataclasses.replace(cfg, transport=cfg.fallback, fallback=None), rank=rank)
+        return FailoverReceiver(primary, fallback, names=(cfg.transport, cfg.fallback),
+                                fallback_verify=cfg.verify and cfg.fallback == "disk")
     secret = cfg.resolved_secret() or None
     if cfg.transport == "broadcast":
         from tandem.sync.broadcast import BroadcastReceiver
