@@ -164,6 +164,26 @@ def test_a_peft_adapter_folder_from_tandem_export_is_served(tmp_path):
     assert max(abs(a - b) for x, y in zip(base, want, strict=True) for a, b in zip(x, y, strict=True)) > 1e-3
     with pytest.raises(FileNotFoundError, match="not a peft adapter folder"):
         eng.add_lora_adapter("x", tmp_path / "hf")
+    # the same folder loads in peft on the HF model, which gives the engine's log-probs
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tandem.core.batch import TrainBatch
+    from tandem.core.sample import Sample
+    from tandem.models import resolve_model
+
+    from .training.helpers import hf_response_logprobs
+
+    hf = AutoModelForCausalLM.from_pretrained(str(resolve_model("tiny-llama")), torch_dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(hf, str(tmp_path / "ad")).eval()
+    samples = [Sample(tokens=p + r.completions[0].token_ids, response_length=len(r.completions[0].token_ids),
+                      reward=0.0) for p, r in zip(ps, got, strict=True)]
+    batch = TrainBatch.from_samples(samples, pad_token_id=0)
+    with torch.no_grad():
+        ref = hf_response_logprobs(peft_model, batch)
+    for k, r in enumerate(got):
+        served = torch.tensor(r.completions[0].log_probs)
+        assert torch.allclose(served, ref[k, : len(served)], atol=1e-4)
 
 
 @pytest.mark.parametrize("placement", ["colocated", "separate"])

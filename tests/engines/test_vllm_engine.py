@@ -13,7 +13,7 @@ from tests.engines.vllm_helpers import MAX_MODEL_LEN, make_vllm_engine, require_
 
 require_vllm()
 
-from tandem.core.protocols import FinishReason  # noqa: E402
+from tandem.core.protocols import FinishReason, GenerationRequest, SamplingParams  # noqa: E402
 from tests.engines.contract import EngineCase, InferenceEngineContract  # noqa: E402
 from tests.engines.torch_helpers import prompts, requests, teacher_forced  # noqa: E402
 
@@ -151,6 +151,13 @@ def test_lora_adapter_is_served_by_name_and_equals_merged_weights():
         served = engine.generate(requests(ps, temperature=1.0, max_new_tokens=12, seed=2))
         with pytest.raises(ValueError, match="lora_A and lora_B must come together"):
             engine.load_lora_adapter(adapter[:1], version=2)
+        # per request: the base model by name; another adapter name is refused alone
+        base_again = engine.generate([GenerationRequest(prompt_token_ids=p, lora="base",
+                                                        sampling=SamplingParams(temperature=0, max_new_tokens=12))
+                                      for p in ps])
+        [other] = engine.generate([GenerationRequest(prompt_token_ids=ps[0], lora="other")])
+    assert other.error and "serves only the synced adapter" in other.error
+    assert [r.completions[0].token_ids for r in base_again] == [r.completions[0].token_ids for r in plain]
     assert [r.completions[0].weight_versions for r in served] == [[1], [1]]
     pairs = [(p, r.completions[0].token_ids) for p, r in zip(ps, served, strict=True)]
     with torch.no_grad():

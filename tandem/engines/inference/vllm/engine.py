@@ -360,6 +360,9 @@ class VLLMEngine:
         )
         if isinstance(checked, str):
             return _done(error_result(request, checked))
+        if request.lora not in (None, "base"):  # one adapter at a time here: the synced one, by default
+            return _done(error_result(request, f"lora={request.lora!r}: the vLLM adapter serves only the synced "
+                                               "adapter (lora=None) or the base model (lora='base')"))
         prompt, params = checked
         with self._lock:
             if request.request_id in self._inflight:
@@ -369,7 +372,7 @@ class VLLMEngine:
             self._inflight[request.request_id] = state
         state.future.add_done_callback(lambda _f, rid=request.request_id: self._forget(rid))
         self._stats["requests"] += 1
-        lora = self._lora
+        lora = self._lora if request.lora is None else None
         for i, (vllm_id, seed) in enumerate(zip(state.vllm_ids, state.seeds, strict=True)):
             try:
                 self.backend.add(vllm_id, prompt, vllm_sampling(params, seed), lora, self._on_output(state, i))

@@ -1,0 +1,162 @@
+"""Full fine-tuning vs LoRA vs QLoRA on the demo task: memory, step time, sync size, reward.
+
+The three recipes of SmolLM2-135M-Instruct on single-digit addition (`recipes/smollm2-135m/`):
+``addition-grpo.yaml`` (full, fp32), ``addition-grpo-lora.yaml`` (rank-16 adapters on every linear layer,
+adapter-only sync to the embedded engine) and ``addition-grpo-qlora.yaml`` (the same with the frozen base
+in FP8, served as FP8 by the engine). Same prompts, seeds, steps and checkpointing (the final one) on
+every side; no evaluation. Each run is a fresh process (colocated: trainer and engine share it), so its
+peak RSS is the run's memory; the runs alternate (full, lora, qlora, then rotated) over ``--repeats``.
+
+Per run: peak RSS, trainer state bytes (parameters, gradients, optimizer state, counted from the
+trainer), median seconds per step after the first, sync bytes and seconds per step, generated tokens,
+and the reward of every step. Medians over repeats, with the spread (min-max).
+
+    python bench/lora.py                  # 8 steps x 3 repeats (~25 min on 2 cores)
+    python bench/lora.py --steps 3 --repeats 1
+
+Ends with ``RESULT {json}``; keys and aims (issue 20): ``lora_sync_bytes_ratio`` <= 0.02 (of full),
+``lora_peak_memory_ratio`` <= 0.6, ``qlora_peak_memory_ratio`` <= 0.45, ``lora_step_time_ratio`` <= 1.0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPES = {
+    "full": ROOT / "recipes" / "smollm2-135m" / "addition-grpo.yaml",
+    "lora": ROOT / "recipes" / "smollm2-135m" / "addition-grpo-lora.yaml",
+    "qlora": ROOT / "recipes" / "smollm2-135m" / "addition-grpo-qlora.yaml",
+}
+AIMS = {"lora_sync_bytes_ratio": 0.02, "lora_peak_memory_ratio": 0.6, "qlora_peak_memory_ratio": 0.45,
+        "lora_step_time_ratio": 1.0}
+
+
+def _trainer_bytes(trainer) -> dict[str, float]:
+    """Parameters (trainable or not, buffers such as a QLoRA base included), gradients, optimizer state."""
+    module = trainer.policy.module
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    buffers = sum(b.numel() * b.element_size() for b in module.buffers())
+    grads = sum(p.numel() * p.element_size() for p in module.parameters() if p.requires_grad)
+    opt = sum(t.numel() * t.element_size() for state in trainer.policy.optimizer.state.values()
+              for t in state.values() if hasattr(t, "numel"))
+    return {"params_mib": params / 2**20, "buffers_mib": buffers / 2**20, "grads_mib": grads / 2**20,
+            "optimizer_mib": opt / 2**20}
+
+
+def child(name: str, steps: int, out: Path, overrides: list[str]) -> None:
+    """One run in this process; prints one JSON line."""
+    from tandem.config import load_config
+    from tandem.runtime.config import RunConfig
+    from tandem.runtime.loop import Run
+    from tandem.runtime.tracking import read_metrics
+
+    cfg = load_config(RunConfig, RECIPES[name], [f"run.steps={steps}", "run.save_every=0", "eval.sets=[]",
+                                                 "tracking.progress=false", *overrides])
+    t0 = time.perf_counter()
+    run = Run(cfg, out, overwrite=True)
+    build_s = time.perf_counter() - t0
+    run.train(close=False)
+    state = _trainer_bytes(run.trainer)
+    run.close()
+    rows = read_metrics(out)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
+    print(json.dumps({
+        "name": name, "peak_rss_mib": peak, "build_s": build_s, **state,
+        "step_s": [r["time/step_s"] for r in rows], "sync_bytes": [r.get("sync/bytes", 0.0) for r in rows],
+        "sync_s": [r.get("time/sync_s", 0.0) for r in rows], "reward": [r.get("reward/mean") for r in rows],
+        "tokens": sum(r.get("rollout/response_len_mean", 0.0) * r.get("rollout/samples", 0.0) for r in rows),
+        "contract_max": max(r.get("train_rollout_logprob_abs_diff/max", 0.0) for r in rows),
+    }), flush=True)
+
+
+def _run_child(name: str, steps: int, out: Path, overrides: list[str]) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--child", name, "--steps", str(steps), "--out", str(out),
+                           *[f"--set={o}" for o in overrides]],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode != 0:
+        raise SystemExit(f"{name}: the run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _med(xs: list[float]) -> float:
+    return statistics.median(xs)
+
+
+def _spread(xs: list[float]) -> str:
+    return f"{min(xs):.3g}-{max(xs):.3g}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override applied to every run (e.g. trainer.fsdp.parallel.activation_checkpointing=true)")
+    ap.add_argument("--child", choices=sorted(RECIPES), help=argparse.SUPPRESS)
+    ap.add_argument("--out", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.steps < 2:
+        ap.error(f"--steps {args.steps}: at least 2 (the first step is left out of the step time)")
+    if args.child:
+        child(args.child, args.steps, Path(args.out), args.set)
+        return 0
+    names = list(RECIPES)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-lora-") as tmp:
+        for rep in range(args.repeats):
+            order = names[rep % len(names):] + names[:rep % len(names)]
+            for name in order:
+                r = _run_child(name, args.steps, Path(tmp) / f"{name}-{rep}", args.set)
+                runs[name].append(r)
+                print(f"repeat {rep + 1}/{args.repeats} {name:>5}: peak {r['peak_rss_mib']:.0f} MiB, "
+                      f"{_med(r['step_s'][1:]):.2f} s/step, sync {_med(r['sync_bytes']) / 2**20:.1f} MiB, "
+                      f"reward {r['reward'][0]:.2f} -> {r['reward'][-1]:.2f}", file=sys.stderr, flush=True)
+    summary: dict[str, dict] = {}
+    for name, rs in runs.items():
+        step = [_med(r["step_s"][1:]) for r in rs]
+        summary[name] = {
+            "peak_rss_mib": _med([r["peak_rss_mib"] for r in rs]), "peak_rss_spread": _spread([r["peak_rss_mib"] for r in rs]),
+            "s_per_step": _med(step), "s_per_step_spread": _spread(step),
+            "s_per_1k_tokens": _med([sum(r["step_s"][1:]) / max(r["tokens"], 1) * 1000 for r in rs]),
+            "sync_mib": _med([_med(r["sync_bytes"]) for r in rs]) / 2**20,
+            "sync_s": _med([_med(r["sync_s"]) for r in rs]),
+            "reward_first": _med([r["reward"][0] for r in rs]),
+            "reward_last2": _med([statistics.mean(r["reward"][-2:]) for r in rs]),
+            "contract_max": max(r["contract_max"] for r in rs),
+            **{k: rs[0][k] for k in ("params_mib", "buffers_mib", "grads_mib", "optimizer_mib")},
+        }
+    print(f"\n{'':>6} | peak RSS MiB | s/step (spread) | s/1k tok | sync MiB | sync s | state MiB "
+          "(params+buffers / grads / optim) | reward step 1 -> last 2")
+    for name, s in summary.items():
+        print(f"{name:>6} | {s['peak_rss_mib']:>12.0f} | {s['s_per_step']:.2f} ({s['s_per_step_spread']}) | "
+              f"{s['s_per_1k_tokens']:>8.2f} | {s['sync_mib']:>8.1f} | {s['sync_s']:.3f} | "
+              f"{s['params_mib'] + s['buffers_mib']:.0f} / {s['grads_mib']:.0f} / {s['optimizer_mib']:.0f} | "
+              f"{s['reward_first']:.2f} -> {s['reward_last2']:.2f}")
+    full, lora, qlora = summary["full"], summary["lora"], summary["qlora"]
+    result = {
+        "lora_sync_bytes_ratio": lora["sync_mib"] / full["sync_mib"],
+        "lora_peak_memory_ratio": lora["peak_rss_mib"] / full["peak_rss_mib"],
+        "qlora_peak_memory_ratio": qlora["peak_rss_mib"] / full["peak_rss_mib"],
+        "lora_step_time_ratio": lora["s_per_step"] / full["s_per_step"],
+        "qlora_step_time_ratio": qlora["s_per_step"] / full["s_per_step"],
+        "steps": args.steps, "repeats": args.repeats, "overrides": args.set, "runs": summary,
+    }
+    result["aims_met"] = {k: result[k] <= v for k, v in AIMS.items()}
+    for k, v in AIMS.items():
+        print(f"{k} = {result[k]:.3f} (aim <= {v}): {'met' if result[k] <= v else 'MISSED'}")
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
