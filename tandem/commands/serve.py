@@ -32,6 +32,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences decoded together")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None)
     p.add_argument("--chat-template", default=None, help="a .jinja file to use instead of the tokenizer's template")
+    p.add_argument("--lora", action="append", default=[], metavar="NAME=FOLDER",
+                   help="serve a peft LoRA adapter folder under NAME (repeatable; the embedded engine): requests "
+                        "with \"model\": NAME use it, \"base\" the base model")
     p.add_argument("--no-verify-tokens", action="store_true", help="skip the token-level drift check")
 
 
@@ -80,6 +83,23 @@ def _engine_config(args: argparse.Namespace):
         return entry, dataclasses.replace(ec, **changes), model_name, agent, recipe_cfg
     except ValueError as e:
         raise ConfigError(str(e)) from None
+
+
+def _load_adapters(engine, specs: list[str]) -> None:
+    """``--lora NAME=FOLDER``: each adapter loaded by name, or one `ConfigError` naming the problem."""
+    from tandem.config import ConfigError
+
+    for spec in specs:
+        name, sep, folder = spec.partition("=")
+        if not sep or not name or not folder:
+            raise ConfigError(f"--lora {spec!r} must be NAME=FOLDER (a peft adapter folder)")
+        if not callable(getattr(engine, "add_lora_adapter", None)):
+            raise ConfigError(f"--lora: this engine ({type(engine).__name__}) does not serve named adapters; "
+                              "the embedded engine (--engine torch) does")
+        try:
+            engine.add_lora_adapter(name, folder)
+        except (ValueError, FileNotFoundError, OSError) as e:
+            raise ConfigError(f"--lora {spec}: {e}") from None
 
 
 def _check_max_model_len(value: int, model_name: str) -> None:
@@ -149,6 +169,11 @@ def run(args: argparse.Namespace) -> int:
             engine = entry.spec(ec).build()
         except ValueError as e:  # the engine refused its settings: a config error, not a crash
             raise ConfigError(f"inference.engine {entry.name}: {e}") from e
+    try:
+        _load_adapters(engine, args.lora)
+    except BaseException:
+        (cluster or engine).close()
+        raise
     template = ChatTemplate(load_tokenizer(model_name),
                             chat_template=Path(template_file).read_text() if template_file else None)
     app = create_app(SessionStore(engine, template, sessions), server_cfg)

@@ -267,7 +267,10 @@ def create_app(store: SessionStore, config: ServerConfig | None = None) -> FastA
     @app.get("/sessions/{session_id}/v1/models", dependencies=[Depends(check_auth)], responses=errors)
     async def models(session_id: str) -> dict[str, Any]:
         _session(store, session_id)
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "owned_by": "tandem"}]}
+        adapters = [{"id": name, "object": "model", "owned_by": "tandem", "parent": config.model_name}
+                    for name in _adapters(store)]
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "owned_by": "tandem"},
+                                           *adapters]}
 
     @app.post("/sessions/{session_id}/v1/chat/completions", dependencies=[Depends(check_auth)],
               responses=errors | {200: {"model": ChatCompletion}, 409: {"model": ErrorBody},
@@ -279,6 +282,7 @@ def create_app(store: SessionStore, config: ServerConfig | None = None) -> FastA
             tools=[t.model_dump(exclude_none=True) for t in body.tools] if body.tools else None,
             temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,
             max_tokens=body.max_completion_tokens or body.max_tokens, seed=body.seed, ignore_eos=body.ignore_eos,
+            lora=_adapter(store, body.model),
         )
         outcome = await _run_turn(store, session, turn)
         payload = _completion(store, session.id, outcome, body, config.model_name)
@@ -291,6 +295,21 @@ def create_app(store: SessionStore, config: ServerConfig | None = None) -> FastA
     if config.key_in_path:
         app.add_middleware(KeyInPath, key=config.api_key)
     return app
+
+
+def _adapters(store: SessionStore) -> list[str]:
+    """The named LoRA adapters the engine serves (engines with ``lora_adapters()``; the synced policy
+    adapter is the default, not a name)."""
+    listing = getattr(store.engine, "lora_adapters", None)
+    return sorted(n for n in listing() if n != "policy") if callable(listing) else []
+
+
+def _adapter(store: SessionStore, model: str | None) -> str | None:
+    """``model`` names an adapter the engine serves (or ``base``): generate with it; any other name (clients
+    send their own) means the engine's default."""
+    if model == "base" or (model is not None and model in _adapters(store)):
+        return model
+    return None
 
 
 def _include_usage(body: ChatCompletionRequest) -> bool:

@@ -95,6 +95,7 @@ class TurnRequest:
     max_tokens: int | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    lora: str | None = None  # a LoRA adapter the engine serves (GenerationRequest.lora); None: its default
 
 
 @dataclass(kw_only=True, slots=True)
@@ -286,6 +287,7 @@ class SessionStore:
     async def _generate(self, session: Session, work: Trajectory, request: TurnRequest):
         sampling = self._sampling(session, request, room=self.context_limit - len(work.ids))
         gen = GenerationRequest(prompt_token_ids=list(work.ids), sampling=sampling, session_id=session.id,
+                                lora=request.lora,
                                 request_id=f"{session.id}-{session.num_generations}-{uuid.uuid4().hex[:8]}")
         session.num_generations += 1
         session.inflight_request_id = gen.request_id

@@ -128,6 +128,14 @@ def test_serve_names_the_model_context_for_a_too_long_max_model_len(capsys):
     assert "\n" not in err
 
 
+def test_serve_lora_arguments_are_one_line_errors(tmp_path, capsys):
+    assert main(["serve", "tiny-llama", "--lora", "no-equals-sign"]) == 2
+    assert "--lora 'no-equals-sign' must be NAME=FOLDER" in capsys.readouterr().err
+    assert main(["serve", "tiny-llama", "--lora", f"x={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "is not a peft adapter folder" in err and "\n" not in err
+
+
 # -- the agent server of a training run -----------------------------------------------------------------------
 
 PROBES: list[dict] = []

@@ -313,3 +313,36 @@ def test_openapi_schema_health_and_models(engine):
         assert models["data"][0]["id"] == "tiny"
 
     serve(create_app(make_store(engine), ServerConfig(model_name="tiny")), body)
+
+
+def test_a_request_names_a_lora_adapter_by_model(engine):
+    """`"model": NAME` generates with the adapter the engine serves under NAME; other names (clients send
+    their own) use the engine's default; /v1/models lists the adapters."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    tensors = []
+    for name, lin in engine.adapters.linears.items():
+        if name.endswith(("q_proj", "v_proj")):
+            out_dim, in_dim = lin.weight.shape
+            tensors += [(f"base_model.model.{name}.lora_A.weight", torch.randn(4, in_dim, generator=g)),
+                        (f"base_model.model.{name}.lora_B.weight", torch.randn(out_dim, 4, generator=g))]
+    engine.add_lora_adapter("mine", tensors, alpha=16.0)
+    store = make_store(engine)
+
+    async def body(c):
+        out = {}
+        for model in ("mine", "gpt-4o", "base"):
+            sid = await new_session(c)
+            r = await chat(c, sid, [USER], model=model, temperature=0, max_tokens=8, return_token_ids=True)
+            assert r.status_code == 200, r.text
+            out[model] = r.json()["choices"][0]["token_ids"]
+        listed = (await c.get(f"/sessions/{sid}/v1/models")).json()["data"]
+        return out, [m["id"] for m in listed]
+
+    try:
+        out, listed = serve(create_app(store), body)
+    finally:
+        engine.remove_lora_adapter("mine")
+    assert out["gpt-4o"] == out["base"] != out["mine"]
+    assert "mine" in listed
