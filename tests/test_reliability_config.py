@@ -93,3 +93,16 @@ def test_a_missing_data_file_is_a_one_line_error(tmp_path, capsys):
 def test_startup_refusals_are_one_line(tmp_path, capsys, overrides, expected):
     line = _error(capsys, "train", str(RECIPE), "run.steps=1", *overrides, "--run-dir", str(tmp_path / "run"))
     assert expected in line
+
+
+def test_models_prepare_without_a_name_and_a_missing_debug_dump_are_one_line_errors(tmp_path, capsys):
+    from tandem.cli import main
+
+    assert main(["models", "prepare"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.strip() == "tandem: error: 'tandem models prepare' needs a model name"
+    recipe = str(Path(__file__).parents[1] / "recipes" / "tiny" / "grpo-sync.yaml")
+    assert main(["train", recipe, "--debug-train-only", str(tmp_path / "nodump"), "--run-dir",
+                 str(tmp_path / "run"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--debug-train-only" in err and "no rollout dump there" in err and "\n" not in err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -18,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:24s} {desc}")
         return 0
     if not args.name:
-        print("tandem: error: 'tandem models prepare' needs a model name")
+        print("tandem: error: 'tandem models prepare' needs a model name", file=sys.stderr)
         return 2
     print(resolve_model(args.name))
     return 0

@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         overrides.append(f"rollout.load_dump={args.debug_train_only}")
     cfg = load_config(RunConfig, args.recipe, overrides)  # every error is reported before any work
     from tandem.runtime.checkpoint import CheckpointError
+    from tandem.runtime.engine_wire import EngineProcessError
     from tandem.runtime.loop import Run
     from tandem.runtime.preemption import Preempted
     from tandem.runtime.watchdog import SkippedStepsError, Stalled
@@ -66,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         how = f"continue with: tandem train {args.recipe} --resume {run_dir}" if stop.checkpoint else "nothing saved"
         print(f"tandem: {stop}; {how}", file=sys.stderr)
         return stop.exit_code
-    except (Stalled, SkippedStepsError, CheckpointError) as e:
+    except (Stalled, SkippedStepsError, CheckpointError, EngineProcessError) as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 1
     for k, v in summary.items():

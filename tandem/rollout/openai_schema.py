@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 __all__ = [
     "ChatCompletion",
@@ -38,14 +38,43 @@ MIN_TEMPERATURE = 1e-4
 MIN_TOP_P = 1e-6
 
 
+def valid_text(text: str) -> str:
+    """``text``, or ValueError if it holds a lone UTF-16 surrogate (not valid Unicode text)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text holds a lone UTF-16 surrogate {text[e.start]!r} at position {e.start} (not valid "
+                         "Unicode)") from None
+    return text
+
+
+def _strings_valid(value: Any, depth: int = 0) -> None:
+    if depth > MAX_JSON_DEPTH:
+        return  # the schema refuses what is nested this deep
+    if isinstance(value, str):
+        valid_text(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            valid_text(str(k))
+            _strings_valid(v, depth + 1)
+    elif isinstance(value, list):
+        for v in value:
+            _strings_valid(v, depth + 1)
+
+
 def finite_json(value: Any, *, depth: int = 0) -> Any:
-    """``value`` (parsed JSON) unchanged, or ValueError for a non-finite float or nesting deeper than 64."""
+    """``value`` (parsed JSON) unchanged, or ValueError for a non-finite float, a string holding a lone
+    UTF-16 surrogate (JSON's ``\\ud800`` escapes decode to one; it cannot be encoded back) or nesting deeper
+    than 64."""
     if depth > MAX_JSON_DEPTH:
         raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{value} is not a finite number (JSON has no NaN or Infinity)")
+    if isinstance(value, str):
+        valid_text(value)
     if isinstance(value, dict):
-        for v in value.values():
+        for k, v in value.items():
+            valid_text(str(k))
             finite_json(v, depth=depth + 1)
     elif isinstance(value, list):
         for v in value:
@@ -125,6 +154,12 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = Field(default=None, description="not supported: stop strings would cut tokens")
     ignore_eos: bool = False
     return_token_ids: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        _strings_valid(data)  # every string of the request is valid Unicode (no lone surrogate)
+        return data
 
     @field_validator("temperature")
     @classmethod

@@ -126,7 +126,11 @@ class SafeJSONResponse(JSONResponse):
     """Every response of the app: JSON with non-finite floats written as strings, never a 500 from encoding."""
 
     def render(self, content: Any) -> bytes:
-        return super().render(_json_safe(content))
+        content = _json_safe(content)
+        try:
+            return super().render(content)
+        except UnicodeEncodeError:  # a lone surrogate echoed from the request: escape it (valid JSON)
+            return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def _error_response(status: int, message: str, *, kind: str, param: str | None = None,

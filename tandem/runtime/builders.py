@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import secrets
+from pathlib import Path
 from typing import Any
 
 from tandem.config import ConfigError
@@ -155,6 +156,14 @@ def check_rollout(cfg: RunConfig) -> GenerateFunction:
 
 # The transports that can reach the engine in each placement.
 PLACEMENT_TRANSPORTS = {"colocated": ("inprocess",), "separate": ("broadcast", "disk"), "ray": ("ray",)}
+
+
+def check_load_dump(cfg: RunConfig) -> None:
+    """``--debug-train-only DIR`` (``rollout.load_dump``) needs a folder of rollout dumps: refused at start-up."""
+    folder = cfg.rollout.load_dump
+    if folder and not any(Path(folder).glob("step_*.jsonl")):
+        raise FileNotFoundError(f"--debug-train-only {folder}: no rollout dump there (step_0.jsonl, ... are written "
+                                "by a run with rollout.dump: true)")
 
 
 def check_placement(cfg: RunConfig) -> None:

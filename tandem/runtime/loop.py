@@ -81,6 +81,7 @@ class Run:
                 "or pass --overwrite to replace it"
             )
         builders.check_placement(cfg)
+        builders.check_load_dump(cfg)
         if resume:  # nothing left to do is said now, before anything is built
             check_resume_target(run_dir, cfg.run.steps)
         # every engine setting the run asks for is checked now, before anything is built

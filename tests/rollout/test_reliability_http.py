@@ -71,6 +71,20 @@ def test_non_finite_and_huge_numbers_in_a_new_session_are_422(server, body):
         assert c.post("/sessions").status_code == 201
 
 
+def test_a_lone_surrogate_is_422_in_a_chat_request_and_in_session_metadata(server):
+    """JSON's \\ud800 escape decodes to a string no encoder takes (was a 500, and a stored session whose
+    every read was a 500)."""
+    with httpx.Client(base_url=server, timeout=60) as c:
+        sid = c.post("/sessions").json()["id"]
+        bad = '{"messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 2}'
+        r = c.post(f"/sessions/{sid}/v1/chat/completions", content=bad, headers=HEADERS)
+        assert r.status_code == 422 and "lone UTF-16 surrogate" in r.text, r.text
+        r = c.post("/sessions", content='{"metadata": {"note": "a\\ud800b"}}', headers=HEADERS)
+        assert r.status_code == 422 and "lone UTF-16 surrogate" in r.text, r.text
+        ok = c.post(f"/sessions/{sid}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        assert ok.status_code == 200 and c.get(f"/sessions/{sid}").status_code == 200
+
+
 # -- client text stays text ---------------------------------------------------------------------------------
 
 

@@ -200,6 +200,9 @@ class TorchEngine(AdapterMethods):
         task = self._drivers.get(loop)
         if task is None or task.done():
             task = self._drivers[loop] = loop.create_task(self._drive_loop(), name="tandem-engine-driver")
+            # its error reaches the awaiting callers; one nobody awaits any more (a stop signal raised
+            # inside a step) must not be logged as "never retrieved"
+            task.add_done_callback(lambda t: t.cancelled() or t.exception())
         return task
 
     async def _drive_loop(self) -> None:
