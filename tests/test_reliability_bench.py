@@ -10,7 +10,6 @@ has today: another outcome of a known case fails the test, and so does a known c
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -74,11 +73,13 @@ def test_every_reliability_case():
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("reliability_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
+    """The bench's CLI group (`bench/reliability_cli.py`, with the shared `Proc`)."""
+    from types import SimpleNamespace
+
+    from bench.reliability_cli import classify_cli
+    from bench.reliability_common import Proc
+
+    return SimpleNamespace(classify_cli=classify_cli, Proc=Proc)
 
 
 @pytest.mark.parametrize("rc, out, err, outcome", [
