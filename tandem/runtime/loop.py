@@ -5,7 +5,8 @@ its position (step, weight version) and its outputs (metrics, checkpoints, rollo
 
 * ``sync``: every step generates with the current weights (on-policy).
 * ``one_step_off``: the rollout of step N+1 runs in a worker thread while step N trains; the new
-  weights reach the engine between rollouts, so training data is exactly one version old.
+  weights reach the engine between rollouts, so training data is exactly one version old
+  (`tandem.runtime.one_step_off`).
 * ``fully_async``: see `tandem.runtime.async_loop`.
 
 Placement: ``colocated`` (one process) puts the engine to sleep (KV cache freed) while the trainer
@@ -49,14 +50,14 @@ from tandem.runtime.checkpoint import (
 from tandem.runtime.config import RunConfig
 from tandem.runtime.engine_wire import EngineProcessError
 from tandem.runtime.evaluation import Evaluator
-from tandem.runtime.metrics import process_metrics, rollout_metrics, staleness_metrics
-from tandem.runtime.pending import decode_groups, decode_samples, encode_samples
+from tandem.runtime.metrics import process_metrics, rollout_metrics
+from tandem.runtime.pending import decode_groups
 from tandem.runtime.policy import merge_mini_batch_metrics, mini_batch_rows, old_log_prob_source, run_contract
 from tandem.runtime.preemption import Preempted, StopSignals, StuckInterrupt
 from tandem.runtime.progress import Progress
 from tandem.runtime.rollouts import Rollouts
 from tandem.runtime.tracking import Tracker
-from tandem.runtime.watchdog import Background, SkipCounter, Stalled, Watchdog
+from tandem.runtime.watchdog import SkipCounter, Stalled, Watchdog
 from tandem.sync import build_sender
 
 __all__ = ["Run"]
@@ -329,7 +330,9 @@ class Run:
         if mode == "sync":
             self._train_sync()
         elif mode == "one_step_off":
-            self._train_one_step_off()
+            from tandem.runtime.one_step_off import train_one_step_off
+
+            train_one_step_off(self)
         else:
             from tandem.runtime.async_loop import train_fully_async
 
@@ -474,52 +477,6 @@ class Run:
             metrics |= self.train_on(step, samples)
             metrics |= self.sync_weights()
             self._finish_step(step, metrics, samples, t0)
-
-    def _train_one_step_off(self) -> None:
-        """Rollout N+1 runs while step N trains. The checkpoint of step N is written once rollout N+1 is
-        complete and holds it (`tandem.runtime.pending`), so a resumed run trains on the same batch."""
-        start = self.step
-        saved = self.take_resumed_rollouts("one_step_off")
-        data_before = self.data.state_dict()  # the prompts of the rollout in flight are not taken yet
-        if saved is None:
-            # a daemon thread, not a pool: a rollout that hangs must not keep the process from exiting
-            pending = Background(self.rollout, start, name="tandem-rollout")
-        else:
-            pending = Background(lambda: (decode_samples(saved["samples"]), dict(saved["metrics"])),
-                                 name="tandem-rollout")
-        try:
-            for step in range(start, self.cfg.run.steps):
-                t0 = time.perf_counter()
-                self.phase(step, "wait for rollouts")
-                try:
-                    samples, metrics = pending.result(poll=self.poll_stop)
-                except Exception:
-                    if self._save_due:  # the rollout failed, the trainer's step did not: keep it
-                        self.save(self._completed)
-                    raise
-                if step > start:  # the end of step - 1 as a checkpoint holds it: this rollout included
-                    self._completed = self._state(rollouts={
-                        "mode": "one_step_off", "data_before": data_before, "samples": encode_samples(samples),
-                        "metrics": metrics})
-                    if self._save_due:
-                        self.save(self._completed)
-                if step > start or saved is not None:
-                    metrics |= self.sync_weights()  # the weights trained last step reach the idle engine
-                metrics |= self.eval_at(step)  # the engine now holds the weights of step - 1
-                metrics |= staleness_metrics(samples, self.version)
-                last = step + 1 == self.cfg.run.steps
-                if not last:
-                    data_before = self.data.state_dict()
-                    pending = Background(self.rollout, step + 1, name="tandem-rollout")
-                metrics |= self.train_on(step, samples)
-                # a stop before rollout step + 1 completes saves without it (it is generated again)
-                self._finish_step(step, metrics, samples, t0, defer_save=not last, data=data_before)
-            if self.step > start:
-                self.sync_weights()  # the last update reaches the engine too
-        finally:
-            if not pending.done():  # the run stopped early: end the rollout in flight (a hung one stays behind)
-                self.engine.abort_all()
-                pending.join(timeout_s=5)
 
     # -- bookkeeping ----------------------------------------------------------------------------------
 
