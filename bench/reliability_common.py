@@ -92,11 +92,16 @@ class Proc:
     seconds: float
 
 
+def launch(args: list[str], cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python -m tandem.cli ARGS`` in ``cwd``, in its own process group, stdout/stderr piped."""
+    return subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], cwd=cwd, env=env or _env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
 def tandem(args: list[str], cwd: Path, timeout: float, env: dict[str, str] | None = None) -> Proc:
     """``python -m tandem.cli ARGS`` in ``cwd``; on timeout the process group is killed (rc None)."""
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], cwd=cwd, env=env or _env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = launch(args, cwd, env)
     try:
         out, err = proc.communicate(timeout=timeout)
         rc: int | None = proc.returncode

@@ -8,7 +8,6 @@ import re
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +26,7 @@ from bench.reliability_common import (
     Proc,
     _env,
     _kill_group,
+    launch,
     metrics_rows,
     metrics_steps,
     tail,
@@ -148,8 +148,7 @@ def _sigterm_resume(mode: str):
                      [SLOW_EVEN, f"runtime.mode={mode}", *OFF_POLICY])
         args = ["train", str(RECIPE), *overrides, "run.steps=500", "--run-dir", str(run_dir), "--quiet"]
         cmd = ctx.display("tandem " + " ".join(_quote(a) for a in args))
-        proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], cwd=work, env=_env(),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        proc = launch(args, work)
         try:
             if not _wait_for(lambda: len(metrics_steps(run_dir)) >= 2, proc, 180):
                 _kill_group(proc)
@@ -281,8 +280,7 @@ def fault_kill_engine(ctx: Context, work: Path):
     args = ["train", str(SEPARATE), SLOW_EVEN, "run.steps=500", "sync.timeout_s=60", "--run-dir", str(run_dir),
             "--quiet"]
     cmd = ctx.display("tandem " + " ".join(_quote(a) for a in args)) + "; kill -KILL <engine process> after step 1"
-    proc = subprocess.Popen([sys.executable, "-m", "tandem.cli", *args], cwd=work, env=_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc = launch(args, work)
     try:
         if not _wait_for(lambda: len(metrics_steps(run_dir)) >= 1, proc, 180):
             _kill_group(proc)

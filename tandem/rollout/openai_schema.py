@@ -48,37 +48,23 @@ def valid_text(text: str) -> str:
     return text
 
 
-def _strings_valid(value: Any, depth: int = 0) -> None:
-    if depth > MAX_JSON_DEPTH:
-        return  # the schema refuses what is nested this deep
-    if isinstance(value, str):
-        valid_text(value)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            valid_text(str(k))
-            _strings_valid(v, depth + 1)
-    elif isinstance(value, list):
-        for v in value:
-            _strings_valid(v, depth + 1)
-
-
-def finite_json(value: Any, *, depth: int = 0) -> Any:
-    """``value`` (parsed JSON) unchanged, or ValueError for a non-finite float, a string holding a lone
-    UTF-16 surrogate (JSON's ``\\ud800`` escapes decode to one; it cannot be encoded back) or nesting deeper
-    than 64."""
+def finite_json(value: Any, *, depth: int = 0, numbers: bool = True) -> Any:
+    """``value`` (parsed JSON) unchanged, or ValueError for a non-finite float (unless ``numbers`` is false:
+    the schema's fields check their own), a string holding a lone UTF-16 surrogate (JSON's ``\\ud800`` escapes
+    decode to one; it cannot be encoded back) or nesting deeper than 64."""
     if depth > MAX_JSON_DEPTH:
         raise ValueError(f"nested deeper than {MAX_JSON_DEPTH} levels")
-    if isinstance(value, float) and not math.isfinite(value):
+    if numbers and isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{value} is not a finite number (JSON has no NaN or Infinity)")
     if isinstance(value, str):
         valid_text(value)
     if isinstance(value, dict):
         for k, v in value.items():
             valid_text(str(k))
-            finite_json(v, depth=depth + 1)
+            finite_json(v, depth=depth + 1, numbers=numbers)
     elif isinstance(value, list):
         for v in value:
-            finite_json(v, depth=depth + 1)
+            finite_json(v, depth=depth + 1, numbers=numbers)
     return value
 
 
@@ -158,7 +144,8 @@ class ChatCompletionRequest(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
-        _strings_valid(data)  # every string of the request is valid Unicode (no lone surrogate)
+        # every string of the request is valid Unicode (no lone surrogate); numbers: the fields' own checks
+        finite_json(data, numbers=False)
         return data
 
     @field_validator("temperature")

@@ -312,7 +312,8 @@ class TorchEngine(AdapterMethods):
                     cu = F.pad(torch.cumsum(lengths, 0), (1, 0))
                     flat = torch.tensor([t for ids, _ in chunk for t in ids], device=device)
                     positions = torch.cat([torch.arange(n, device=device) for n in lengths.tolist()])
-                    with self.adapters.rows([self._policy_adapter] * len(flat), device):
+                    with self.adapters.rows([self._policy_adapter] * len(flat) if self._policy_adapter else [],
+                                            device):
                         hidden = self.model(flat, positions, packed_attention(cu))
                     rows, targets, owner = [], [], []
                     for k, (ids, p) in enumerate(chunk):
