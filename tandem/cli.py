@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "train": "run the RL loop on a recipe (GRPO, PPO, ...)",
     "serve": "serve OpenAI-compatible chat sessions (token-in-token-out) for agents",
     "verify-template": "check that a chat template is prefix-stable for multi-turn token-in-token-out",
+    "plan": "choose the engine pair, parallelism and placement for a model and cluster; write the recipe",
 }
 
 

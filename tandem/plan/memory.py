@@ -1,0 +1,230 @@
+"""The memory model: bytes per GPU (or per process on a CPU), itemised, for the trainer and the rollout engine.
+
+Assumptions (docs/plan.md has the derivations and the CPU calibration):
+
+* FSDP2 (Tandem's engine): fp32 master weights, fp32 gradients and AdamW's two fp32 moments, sharded over
+  the data-parallel ranks (16 B/param / dp; HSDP: / the shard group); with more than one rank the gathered root group (embeddings)
+  and two gathered decoder layers in the compute dtype, and the root group's unsharded gradient. LoRA: the
+  frozen base in the compute dtype, sharded; adapters at 16 B/param. `offload`: FSDP2's CPUOffloadPolicy
+  keeps the sharded state on the host.
+* Megatron: bf16 weights, fp32 main gradients (6 B/param on the GPU, split by TP x PP, experts by EP x ETP x
+  PP) and the fp32 master + Adam moments (12 B/param) sharded over the data-parallel group (distributed
+  optimizer) or on the host (`offload`, as slime's --optimizer-cpu-offload).
+* Activations of one micro-batch: `Arch.activation_width()` elements per token per layer in the compute
+  dtype, divided by TP (sequence parallel) and CP; with activation checkpointing, the layer inputs plus one
+  layer recomputed. Pipeline stages keep `pp` micro-batches in flight (1F1B).
+* Log-prob buffers: Tandem projects only response positions, `logprob_chunk` rows at a time (FSDP): chunk x
+  vocab fp32 logits, softmax and gradient (3 buffers) plus two vocab x hidden fp32 buffers (the LM head's
+  weight-gradient product and the embedding's dense gradient), measured on CPU. Megatron's head is
+  vocab-parallel and not chunked: response tokens of the micro-batch x vocab / TP x 3 fp32 buffers.
+* Rollout engines (vLLM / SGLang): weights split by TP (experts by EP), a fixed overhead (CUDA graphs,
+  activations, communication buffers) and the KV cache in what `mem_fraction` of the GPU leaves.
+* The embedded engine: a full copy of the weights in the model dtype, plus oneDNN-packed copies on a CPU
+  (`pack_weights`), plus its preallocated KV cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from tandem.plan.archs import Arch
+from tandem.plan.hardware import GIB, Device
+
+__all__ = ["InferenceLayout", "TrainerLayout", "Workload", "host_bytes", "inference_memory", "kv_budget",
+           "trainer_memory"]
+
+GPU_TRAINER_OVERHEAD = 3.0 * GIB  # CUDA context, NCCL buffers, allocator slack
+GPU_ENGINE_OVERHEAD = 4.0 * GIB  # vLLM / SGLang CUDA graphs, activations, communication buffers
+GPU_ASLEEP_RESIDUAL = 1.5 * GIB  # what a sleeping side keeps on the GPU (context, small buffers)
+CPU_PROCESS_BASE = 0.45 * GIB  # python + torch + transformers + tokenizer, measured RSS before the engines
+LOGPROB_CHUNK = 1024  # FSDPConfig.logprob_chunk default
+
+
+@dataclass(kw_only=True, slots=True)
+class Workload:
+    prompt_len: int
+    response_len: int
+    prompts: int  # prompts per step
+    samples: int  # samples per prompt
+    lora_rank: int = 0  # 0: full fine-tuning
+    mode: str = "sync"  # sync | one_step_off | fully_async
+    precision: str = "bf16"  # rollout weights: bf16 | fp8 | int4
+    ref: bool = False  # a frozen reference model for KL
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.response_len
+
+    @property
+    def sequences(self) -> int:
+        return self.prompts * self.samples
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainerLayout:
+    engine: str = "fsdp"  # fsdp | megatron
+    gpus: int = 1
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+    offload: bool = False
+    activation_checkpointing: bool = False
+    micro_batch_tokens: int = 8192
+    replicate: int = 1  # FSDP: HSDP replicas (the state is sharded over gpus / replicate)
+
+    @property
+    def dp(self) -> int:
+        return max(1, self.gpus // (self.tp * self.pp * self.cp))
+
+    @property
+    def shard(self) -> int:
+        return max(1, self.dp // self.replicate)
+
+
+@dataclass(kw_only=True, slots=True)
+class InferenceLayout:
+    engine: str = "vllm"  # torch | vllm | sglang
+    tp: int = 1
+    ep: int = 1
+    replicas: int = 1
+    mem_fraction: float = 0.85
+    max_num_seqs: int = 0  # embedded engine: slots (0: as many as the workload has)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def gpus(self) -> int:
+        return self.tp * self.replicas
+
+
+def _dtype_bytes(dev: Device) -> int:
+    return 4 if dev.is_cpu else 2  # the CPU recipes run fp32; GPU compute is bf16
+
+
+def lora_params(arch: Arch, rank: int) -> int:
+    """Adapter parameters of rank ``rank`` on every linear layer of attention and MLP (all experts not counted)."""
+    h, q, kv = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim
+    mlp = arch.intermediate if not arch.moe else arch.shared_intermediate
+    per_layer = rank * ((h + q) * 2 + (h + kv) * 2 + (mlp and 3 * (h + mlp)))
+    return arch.layers * per_layer
+
+
+def _tokens_per_rank(wl: Workload, dp: int) -> int:
+    return max(wl.seq_len, -(-wl.sequences * wl.seq_len // dp))
+
+
+def _activations(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> tuple[float, float]:
+    """(activation bytes, micro-batch tokens) of the micro-batch in flight on one GPU."""
+    tokens = min(lay.micro_batch_tokens, _tokens_per_rank(wl, lay.dp)) / lay.cp
+    b = _dtype_bytes(dev)
+    layers = -(-arch.layers // lay.pp)
+    per_layer = arch.activation_width() * tokens * b / lay.tp
+    in_flight = min(lay.pp, max(1, _tokens_per_rank(wl, lay.dp) // max(1, lay.micro_batch_tokens)))
+    if lay.activation_checkpointing:  # stored layer inputs per micro-batch in flight + one layer recomputed
+        return in_flight * layers * tokens * arch.hidden * b / lay.tp + per_layer, tokens
+    return in_flight * layers * per_layer, tokens
+
+
+def host_bytes(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> float:
+    """Host memory one trainer GPU's offloaded state needs (0 without offload)."""
+    if not lay.offload or dev.is_cpu:
+        return 0.0
+    if lay.engine == "megatron":
+        state = _megatron_state(arch, wl, replace(lay, offload=False))
+        return state["optimizer"]
+    return sum(_fsdp_state(arch, dev, wl, replace(lay, offload=False, gpus=lay.gpus)).get(k, 0.0)
+               for k in ("weights", "gradients", "optimizer"))
+
+
+def _logprob_buffers(arch: Arch, wl: Workload, lay: TrainerLayout, tokens: float) -> float:
+    response_rows = tokens * wl.response_len / wl.seq_len
+    if lay.engine == "megatron":
+        return response_rows * arch.vocab / lay.tp * 4 * 3
+    rows = min(LOGPROB_CHUNK, response_rows)
+    return rows * arch.vocab * 4 * 3 + 2 * arch.vocab * arch.hidden * 4
+
+
+def _fsdp_state(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> dict[str, float]:
+    p, b, dp = arch.total_params(), _dtype_bytes(dev), lay.shard
+    items: dict[str, float] = {}
+    if wl.lora_rank:
+        lp = lora_params(arch, wl.lora_rank)
+        items["weights"] = p * b / dp + lp * 4 / dp
+        items["gradients"] = lp * 4 / dp
+        items["optimizer"] = lp * 8 / dp
+    else:
+        items["weights"] = p * 4 / dp
+        items["gradients"] = p * 4 / dp
+        items["optimizer"] = p * 8 / dp
+    if lay.offload and not dev.is_cpu:
+        items = {k: 0.0 for k in items}
+    if dp > 1:
+        layer = (arch.total_params() - arch.embedding_params()) / arch.layers
+        root = arch.embedding_params()
+        items["gathered"] = (root + 2 * layer) * b + (0 if wl.lora_rank else root * 4)
+    if wl.ref and not wl.lora_rank:
+        items["reference"] = p * b / dp
+    return items
+
+
+def _megatron_state(arch: Arch, wl: Workload, lay: TrainerLayout) -> dict[str, float]:
+    emb_table = arch.vocab * arch.hidden
+    body = (arch.dense_params() - arch.embedding_params()) / (lay.tp * lay.pp)
+    dense = body + emb_table / lay.tp  # an end stage holds one table (first: embedding, last: LM head)
+    experts = arch.expert_params() / (lay.ep * lay.etp * lay.pp)
+    dense_dp = max(1, lay.gpus // (lay.tp * lay.pp))  # distributed optimizer shards over DP x CP
+    expert_dp = max(1, lay.gpus // (lay.ep * lay.etp * lay.pp))
+    opt = 0.0 if lay.offload else 12 * (dense / dense_dp + experts / expert_dp)
+    items = {"weights": 2 * (dense + experts), "gradients": 4 * (dense + experts), "optimizer": opt}
+    if wl.ref:
+        items["reference"] = 2 * (dense + experts)
+    return items
+
+
+def trainer_memory(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> dict[str, float]:
+    """Itemised peak bytes on one trainer GPU (one process on a CPU) during a training step."""
+    if lay.engine == "megatron":
+        items = _megatron_state(arch, wl, lay)
+    else:
+        items = _fsdp_state(arch, dev, wl, lay)
+    act, tokens = _activations(arch, dev, wl, lay)
+    items["activations"] = act
+    items["logprob_buffers"] = _logprob_buffers(arch, wl, lay, tokens)
+    items["overhead"] = CPU_PROCESS_BASE if dev.is_cpu else GPU_TRAINER_OVERHEAD
+    return items
+
+
+def _weight_bytes(wl: Workload, dev: Device) -> float:
+    if dev.is_cpu:
+        return 4
+    return {"bf16": 2, "fp8": 1, "int4": 0.5}[wl.precision]
+
+
+def kv_budget(arch: Arch, dev: Device, wl: Workload, inf: InferenceLayout) -> tuple[float, float, int]:
+    """(weight bytes per GPU, KV-cache bytes per GPU, concurrent sequences per replica) of a vLLM/SGLang replica."""
+    wb = _weight_bytes(wl, dev)
+    expert_split = inf.ep if inf.ep > 1 else inf.tp  # without expert parallelism TP splits every expert
+    weights = (arch.dense_params() / inf.tp + arch.expert_params() / expert_split) * wb
+    kv = inf.mem_fraction * dev.memory_gib * GIB - weights - GPU_ENGINE_OVERHEAD
+    per_seq = arch.kv_bytes_per_token(2, inf.tp) * wl.seq_len
+    return weights, kv, max(0, int(kv // per_seq)) if kv > 0 else 0
+
+
+def inference_memory(arch: Arch, dev: Device, wl: Workload, inf: InferenceLayout) -> dict[str, float]:
+    """Itemised bytes on one rollout GPU (or, for the embedded engine on a CPU, in the process)."""
+    if inf.engine == "torch":
+        b = _dtype_bytes(dev)
+        weights = arch.total_params() * b
+        slots = inf.max_num_seqs or wl.sequences
+        slot_len = -(-wl.seq_len // 64) * 64
+        kv = slots * slot_len * arch.kv_bytes_per_token(b)
+        step = slots * arch.vocab * 4 * 2 + slots * arch.activation_width() * b  # logits + one layer's activations
+        items = {"weights": weights, "kv_cache": kv, "activations": step}
+        if dev.is_cpu:
+            items["packed_weights"] = (arch.total_params() - (0 if arch.tied else arch.vocab * arch.hidden)) * b
+        else:
+            items["overhead"] = GPU_ASLEEP_RESIDUAL
+        return items
+    weights, kv, _ = kv_budget(arch, dev, wl, inf)
+    return {"weights": weights, "kv_cache": max(0.0, kv), "overhead": GPU_ENGINE_OVERHEAD}
