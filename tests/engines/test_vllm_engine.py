@@ -168,6 +168,41 @@ def test_lora_adapter_is_served_by_name_and_equals_merged_weights():
     assert [r.completions[0].token_ids for r in plain] != [r.completions[0].token_ids for r in served]
 
 
+def test_a_tandem_export_adapter_only_folder_loads_in_vllm(tmp_path):
+    """`tandem export --adapter-only` of a trained LoRA checkpoint is a peft folder vLLM loads as an adapter;
+    served on the base weights it gives the log-probs of the merged export."""
+    from tandem.cli import main as cli_main
+    from tandem.engines.training.fsdp import FSDPConfig, FSDPEngine, LoRAConfig, OptimizerConfig
+    from tandem.models import ModelConfig
+    from tandem.models.transformer import CausalLM
+    from tests.engines.training.helpers import make_batch, token_mean_pg
+
+    torch.manual_seed(0)
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+    trainer = FSDPEngine(FSDPConfig(model=ModelConfig(name=str(vllm_tiny_model())), lora=lora, micro_batch_tokens=64,
+                                    optimizer=OptimizerConfig(lr=5e-2)))
+    trainer.train_step(make_batch(), token_mean_pg)
+    trainer.save(str(tmp_path / "ckpt"))
+    trainer.close()
+    assert cli_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "ad"), "--adapter-only"]) == 0
+    assert cli_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
+    ps = prompts([6, 13], seed=35)
+    with make_vllm_engine("inprocess", lora_alpha=8.0, lora_max_rank=8) as engine:
+        plain = engine.generate(requests(ps, temperature=0, max_new_tokens=12))
+        engine.load_lora_adapter_from_path(tmp_path / "ad", version=1)
+        served = engine.generate(requests(ps, temperature=1.0, max_new_tokens=12, seed=4))
+    merged = CausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32)
+    pairs = [(p, r.completions[0].token_ids) for p, r in zip(ps, served, strict=True)]
+    for r, ref in zip(served, teacher_forced(merged, pairs), strict=True):
+        torch.testing.assert_close(torch.tensor(r.completions[0].log_probs), ref, rtol=0, atol=1e-3)
+    base = CausalLM.from_pretrained(vllm_tiny_model(), dtype=torch.float32)
+    gaps = [(torch.tensor(r.completions[0].log_probs) - ref).abs().max().item()
+            for r, ref in zip(served, teacher_forced(base, pairs), strict=True)]
+    assert max(gaps) > 1e-2, gaps  # the adapter changed the model: the comparison above is not vacuous
+    assert [r.completions[0].weight_versions for r in served] == [[1], [1]]
+    assert plain  # the engine served the base before the adapter
+
+
 def test_a_batch_over_the_step_token_budget_samples_as_its_requests_alone(any_case):
     """3,200 prompt tokens > vLLM's 2,048-token step budget. With chunked prefill vLLM would split a prompt
     and then rewind that request's seeded sampler, which a CPU generator cannot do (every request failed
