@@ -7,7 +7,7 @@ import torch
 
 from tandem.models import ModelNotFoundError, list_models, load_model, load_tokenizer, resolve_model
 
-TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
+TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe", "tiny-deepseek-v3", "tiny-glm4-moe"]
 
 
 @pytest.mark.parametrize("name", TINY)

@@ -134,11 +134,46 @@ def run(args: argparse.Namespace) -> int:
         import yaml
 
         with open(args.write, "w") as f:
-            f.write(f"# written by: tandem plan {args.model} --gpu-type {dev.name} --gpus {gpus} "
-                    f"--prompt-len {wl.prompt_len} --response-len {wl.response_len} --prompts {wl.prompts} "
-                    f"--samples {wl.samples}{f' --lora {wl.lora_rank}' if wl.lora_rank else ''} --mode {wl.mode}\n")
-            f.write(f"# {result.reason}\n")
+            f.write(recipe_header(args, result, gpus))
             yaml.safe_dump(recipe, f, sort_keys=False)
         if not args.json:
             print(f"wrote {args.write}")
     return 0 if result.fits else 1
+
+
+def command_line(args: argparse.Namespace, gpus: int) -> str:
+    """The ``tandem plan`` command that reproduces ``args``: the cluster, lengths and batch always, every other
+    flag when it differs from its default (``--write`` last)."""
+    import shlex
+
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    always = {"gpu_type", "gpus", "prompt_len", "response_len", "prompts", "samples"} | ({"trainer"} if args.check else set())
+    words = ["tandem", "plan", args.model]
+    for action in parser._actions:
+        dest = action.dest
+        if not action.option_strings or dest in ("help", "write", "json", "recipe"):
+            continue
+        value = gpus if dest == "gpus" else getattr(args, dest, action.default)
+        if dest not in always and value == action.default:
+            continue
+        flag = max(action.option_strings, key=len)
+        if isinstance(action, argparse._StoreTrueAction):
+            words += [flag] if value else []
+        else:
+            words += [flag, str(value)]
+    return shlex.join(words + ["--write", args.write])
+
+
+def recipe_header(args: argparse.Namespace, result, gpus: int) -> str:
+    """The comment lines on top of a written recipe: the cluster and workload it was planned for, the command
+    that writes it again, and the planner's verdict."""
+    dev, wl = result.device, result.workload
+    nodes = -(-gpus // dev.gpus_per_node)
+    where = "processes on this CPU" if dev.is_cpu else f"x {dev.name} ({dev.memory_gib:g} GiB)"
+    tuning = f"LoRA rank {wl.lora_rank}" if wl.lora_rank else "full fine-tuning"
+    return (f"# planned for: {gpus} {where}, {nodes} node{'s' * (nodes > 1)}; prompt {wl.prompt_len} + response "
+            f"{wl.response_len} tokens; {wl.prompts} prompts x {wl.samples} samples per step; {tuning}; {wl.mode}; "
+            f"{wl.precision} rollouts\n"
+            f"# regenerate: {command_line(args, gpus)}\n"
+            f"# {result.reason}\n")

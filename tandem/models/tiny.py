@@ -100,7 +100,8 @@ def _common(vocab: int) -> dict[str, Any]:
 
 
 def tiny_config(family: str, vocab: int):
-    """The HF config of tiny model ``family`` (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``)."""
+    """The HF config of tiny model ``family`` (``llama``, ``qwen2``, ``qwen3``, ``qwen3_moe``, ``deepseek_v3``,
+    ``glm4_moe``; the last two have no native implementation and run on the HF model)."""
     from transformers import AutoConfig
 
     kw = _common(vocab)
@@ -121,6 +122,46 @@ def tiny_config(family: str, vocab: int):
             norm_topk_prob=True,
             mlp_only_layers=[],
             output_router_logits=False,
+        )
+    elif (
+        family == "deepseek_v3"
+    ):  # MLA attention, sigmoid group-limited routing, a shared expert, 1 dense layer
+        kw.update(
+            tie_word_embeddings=False,
+            num_hidden_layers=3,
+            num_key_value_heads=4,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=16,
+            v_head_dim=16,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_group=2,
+            topk_group=1,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
+        )
+    elif family == "glm4_moe":  # GLM-4.5(-Air): partial rotary, q/k/v bias, shared expert, 1 dense layer
+        kw.update(
+            tie_word_embeddings=False,
+            num_hidden_layers=3,
+            head_dim=16,
+            partial_rotary_factor=0.5,
+            attention_bias=True,
+            use_qk_norm=False,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_group=1,
+            topk_group=1,
+            routed_scaling_factor=1.0,
+            first_k_dense_replace=1,
+            norm_topk_prob=True,
         )
     else:
         raise ValueError(f"unknown tiny model family {family!r}")

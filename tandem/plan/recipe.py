@@ -4,7 +4,8 @@ Every key written here is a field of the run config (`tandem/runtime/config.py`)
 class (`FSDPConfig`, `MegatronConfig`, `TorchEngineConfig`, `VLLMEngineConfig`); `tandem config` validates the
 result, and a test does so for every reference plan. What a Tandem engine cannot express is refused here
 with the reason instead of being written (SGLang when this Tandem's registry has no SGLang adapter; context
-parallelism, which Tandem's Megatron engine lacks).
+parallelism, which Tandem's Megatron engine lacks; Megatron for an architecture Tandem's native model
+does not implement, since that model is what Tandem's Megatron engine builds).
 """
 
 from __future__ import annotations
@@ -24,6 +25,11 @@ def _trainer(p: Plan) -> dict[str, Any]:
     t, wl = p.trainer, p.workload
     opt = {"lr": 1.0e-6, "grad_clip": 1.0}
     if t.engine == "megatron":
+        if not p.arch.native:
+            raise RecipeError(
+                f"Tandem's Megatron engine builds only the architectures of its native model (llama, qwen2, qwen3, "
+                f"qwen3_moe), not {p.arch.family}; {p.arch.family} trains on FSDP (the HF model): judge a layout "
+                "with --check --trainer fsdp (add --offload --activation-checkpointing for a large model)")
         if t.cp > 1:
             raise RecipeError(f"context parallelism (cp={t.cp}) is not in Tandem's Megatron engine yet "
                               "(docs/megatron.md); plan with a shorter --response-len or more GPUs")
