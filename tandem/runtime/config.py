@@ -112,8 +112,15 @@ class RuntimeConfig:
     mask_stale_tokens: bool = False
     watchdog_s: float = 1800.0
     max_skipped_steps: int = 5
+    # glibc malloc: freed tensors of at least this many bytes go back to the system at once instead of
+    # staying resident in malloc's arenas (tandem/runtime/allocator.py: lower peak RSS, slower CPU steps);
+    # 0: glibc's dynamic default
+    malloc_mmap_threshold: int = 0
 
     def __post_init__(self) -> None:
+        if not 0 <= self.malloc_mmap_threshold <= 32 << 20:
+            raise ValueError(f"malloc_mmap_threshold={self.malloc_mmap_threshold} must be in [0, {32 << 20}] bytes "
+                             "(0: glibc's dynamic default)")
         if self.watchdog_s < 0:
             raise ValueError(f"watchdog_s={self.watchdog_s} must be >= 0 (0: no watchdog)")
         if self.max_skipped_steps < 0:

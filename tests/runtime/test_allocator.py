@@ -1,0 +1,59 @@
+"""runtime.malloc_mmap_threshold: freed tensors go back to the system instead of staying resident in glibc's
+arenas (tandem/runtime/allocator.py). Each case runs in a fresh interpreter: the setting is per process."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tandem.config import ConfigError, load_config
+from tandem.runtime.allocator import set_mmap_threshold
+
+# A training step in miniature: a large buffer is freed (glibc then raises its mmap threshold to that size),
+# then many activation-sized tensors are allocated and freed, except the newest, which pins the heap top.
+_CHILD = r"""
+import json, sys
+import torch
+from tandem.runtime.allocator import set_mmap_threshold
+def rss_mib():
+    for line in open("/proc/self/status"):
+        if line.startswith("RssAnon"):
+            return int(line.split()[1]) / 1024
+applied = set_mmap_threshold(int(sys.argv[1]))
+base = rss_mib()
+big = torch.ones(4 << 20)  # 16 MiB: mmap'd, and its free raises the threshold to 16 MiB
+del big
+acts = [torch.ones(1 << 20) for _ in range(150)]  # 150 x 4 MiB
+pinned = acts[-1]
+del acts
+print(json.dumps({"applied": applied, "retained_mib": rss_mib() - base}))
+"""
+
+
+def _retained(threshold: int) -> dict:
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(threshold)], capture_output=True, text=True, check=True,
+                         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc malloc only")
+def test_a_fixed_threshold_returns_freed_tensors_to_the_system():
+    default = _retained(0)  # glibc's dynamic threshold: the 4 MiB tensors went to the heap and stay there
+    fixed = _retained(1 << 20)
+    assert not default["applied"] and fixed["applied"]
+    assert default["retained_mib"] > 400, default
+    assert fixed["retained_mib"] < 50, fixed
+
+
+def test_bad_values_are_refused_with_the_limit(tmp_path):
+    with pytest.raises(ValueError, match=r"malloc_mmap_threshold=-1 must be in \[0, 33554432\] bytes"):
+        set_mmap_threshold(-1)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name: tiny-qwen3}\n")
+    from tandem.runtime.config import RunConfig
+
+    with pytest.raises(ConfigError, match=r"malloc_mmap_threshold=67108864 must be in \[0, 33554432\]"):
+        load_config(RunConfig, recipe, ["runtime.malloc_mmap_threshold=67108864"])
