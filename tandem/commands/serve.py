@@ -8,6 +8,9 @@ on 127.0.0.1:8000 by default; another ``--host`` needs ``--api-key`` (or ``$TAND
 the registry, a plug-in included) with its settings (``inference.<engine>``), and the agent's limits
 (``rollout.agent``); a model name or HF folder serves that model on ``--engine`` (default: the embedded
 ``torch`` engine) with its defaults. The engine runs in this process, driven by the server's event loop.
+
+``--api sglang`` serves SGLang's native server API instead (``/generate`` with ``input_ids``, weight updates,
+pause, memory release: tandem/engines/inference/sglang/server.py, docs/sglang.md).
 """
 
 from __future__ import annotations
@@ -36,6 +39,9 @@ def configure(p: argparse.ArgumentParser) -> None:
                    help="serve a peft LoRA adapter folder under NAME (repeatable; the embedded engine): requests "
                         "with \"model\": NAME use it, \"base\" the base model")
     p.add_argument("--no-verify-tokens", action="store_true", help="skip the token-level drift check")
+    p.add_argument("--api", choices=["openai", "sglang"], default="openai",
+                   help="openai (default): chat sessions with token bookkeeping; sglang: SGLang's native server API "
+                        "(/generate with input_ids, weight updates, pause, memory release; docs/sglang.md)")
 
 
 def _engine_config(args: argparse.Namespace):
@@ -154,6 +160,13 @@ def run(args: argparse.Namespace) -> int:
     from tandem.models import load_tokenizer
     from tandem.rollout.chat import ChatTemplate
     from tandem.rollout.server import create_app, serve_forever
+
+    if args.api == "sglang":
+        if recipe_cfg is not None and recipe_cfg.runtime.placement == "ray":
+            raise ConfigError("--api sglang serves one engine in this process; runtime.placement: ray is not "
+                              "supported with it (start several `tandem serve --api sglang` and put sglang-router "
+                              "in front of them: docs/sglang.md)")
+        return _serve_sglang(args, entry, ec, model_name, api_key)
     from tandem.rollout.session import SessionStore
 
     cluster = None
@@ -183,4 +196,29 @@ def run(args: argparse.Namespace) -> int:
         serve_forever(app, args.host, args.port)
     finally:
         (cluster or engine).close()
+    return 0
+
+
+def _serve_sglang(args: argparse.Namespace, entry, ec, model_name: str, api_key: str | None) -> int:
+    """``--api sglang``: the engine behind SGLang's native HTTP API (tandem/engines/inference/sglang/server.py)."""
+    from tandem.config import ConfigError
+    from tandem.engines.inference.sglang.server import create_sglang_app, eos_token_ids
+    from tandem.models import resolve_model
+    from tandem.rollout.server import serve_forever
+
+    try:
+        engine = entry.spec(ec).build()
+    except ValueError as e:
+        raise ConfigError(f"inference.engine {entry.name}: {e}") from e
+    try:
+        _load_adapters(engine, args.lora)
+        folder = resolve_model(model_name)
+        app = create_sglang_app(engine, model_path=str(folder), served_model_name=model_name,
+                                eos_token_ids=eos_token_ids(folder), api_key=api_key,
+                                max_request_bytes=args.max_request_bytes)
+        print(f"tandem serve: {model_name} ({entry.name} engine) with SGLang's API on http://{args.host}:{args.port} "
+              "(POST /generate)", flush=True)
+        serve_forever(app, args.host, args.port)
+    finally:
+        engine.close()
     return 0

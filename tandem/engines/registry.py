@@ -318,6 +318,7 @@ def _load_entry(path: str, kind: Kind, *, check: bool = True) -> EngineEntry:
 INFERENCE_ENGINES = EngineRegistry("inference", {
     "torch": "tandem.engines.inference.torch.entry:ENTRY",
     "vllm": "tandem.engines.inference.vllm.entry:ENTRY",
+    "sglang": "tandem.engines.inference.sglang.entry:ENTRY",
 })
 TRAINING_ENGINES = EngineRegistry("training", {
     "fsdp": "tandem.engines.training.fsdp.entry:ENTRY",
