@@ -5,8 +5,9 @@ qwen3 and qwen3_moe; DeepSeek-V3 (MLA) and GLM-4.5 (partial rotary, shared exper
 only the HF implementation. On GPUs their recipes roll out with vLLM; on this CPU a run needs an engine that
 runs the HF model, and this is one: the toy engine of tests/runtime/toy_engine.py (token by token, no KV
 cache, the shared log-prob convention) with the HF ``AutoModelForCausalLM`` in place of the native model.
-The FSDP trainer of these models is the HF model too, so both sides hold the same parameter names and
-the weight sync is a plain copy. Named in a recipe by import path: ``tests.families.hf_engine:ENTRY``.
+The FSDP trainer of these models is the HF model too; the sync sends the checkpoint's names (the
+trainer undoes transformers' load-time fusion of MoE experts, tandem/models/hf_names.py), as vLLM and
+SGLang expect, so this engine maps each checkpoint name to the elements of its fused parameter. Named in a recipe by import path: ``tests.families.hf_engine:ENTRY``.
 """
 
 from __future__ import annotations
@@ -72,6 +73,37 @@ class HFEngine(ToyEngine):
         self._lock = threading.Lock()
         self._closed = False
         self._tokens = 0
+        self._views = _checkpoint_views(lm)
+
+    def update_weights(self, named_tensors, version: int) -> None:
+        weights = self.model.state_dict()
+        items = list(named_tensors)
+        bad = [n for n, t in items if n not in self._views or tuple(t.shape) != self._views[n][2]]
+        if bad:
+            raise ValueError(f"update_weights(version={version}) rejected: unknown name or shape {bad[0]!r}")
+        with self._lock, torch.no_grad():
+            for name, tensor in items:
+                owner, index, _ = self._views[name]
+                weights[owner].view(-1)[index] = tensor.reshape(-1).to(weights[owner].dtype)
+            self._version = int(version)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        weights = self.model.state_dict()
+        return {name: weights[owner].reshape(-1)[index].view(shape)
+                for name, (owner, index, shape) in self._views.items()}
+
+
+def _checkpoint_views(lm: nn.Module) -> dict[str, tuple[str, torch.Tensor, tuple[int, ...]]]:
+    """checkpoint name -> (parameter name, flat indices into it, shape): the reversal of transformers'
+    load-time conversion applied to each parameter's element indices (exact in float64)."""
+    from tandem.models.hf_names import checkpoint_named
+
+    views = {}
+    for owner, t in lm.state_dict().items():
+        probe = torch.arange(t.numel(), dtype=torch.float64).view(t.shape)
+        for name, part in checkpoint_named(lm, [(owner, probe)]):
+            views[name] = (owner, part.reshape(-1).long(), tuple(part.shape))
+    return views
 
 
 def fill(facts: RunFacts, config: HFEngineConfig | None) -> HFEngineConfig:

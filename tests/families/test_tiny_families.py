@@ -64,6 +64,17 @@ def test_embedded_engine_refuses_what_it_does_not_implement(name):
         TorchEngine(TorchEngineConfig(model=ModelConfig(name=name)))
 
 
+def _checkpoint(name: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    from tandem.models import resolve_model
+
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(resolve_model(name).glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
 def _trainer_weights(run: Run) -> dict[str, torch.Tensor]:
     return {n: t.clone() for b in run.trainer.named_parameters_for_sync(1 << 30) for n, t in b}
 
@@ -85,6 +96,11 @@ def test_two_grpo_steps_on_cpu(name, tmp_path):
     run = Run(cfg, tmp_path)
     assert run.trainer.native is native
     before = _trainer_weights(run)
+    # the sync speaks the checkpoint's names and tensors (what vLLM and SGLang load), whatever transformers
+    # fused at load time (the MoE experts of the HF fallback)
+    disk = _checkpoint(name)
+    assert set(before) <= set(disk) and set(disk) - set(before) <= {"lm_head.weight"}, set(before) ^ set(disk)
+    assert all(torch.equal(before[k], disk[k].to(before[k].dtype)) for k in before)
     run.train(close=False)
     after = _trainer_weights(run)
     served = run.engine.named_weights() if engine == HF_ENGINE else run.engine.model.hf_state_dict()

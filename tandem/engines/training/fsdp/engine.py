@@ -58,6 +58,7 @@ from tandem.engines.training.fsdp.parallel import (
     total_grad_norm,
 )
 from tandem.models.attention import MoERouting
+from tandem.models.hf_names import checkpoint_named
 from tandem.models.registry import DTYPES
 from tandem.ops.batch_invariant import batch_invariant_mode
 
@@ -368,14 +369,18 @@ class FSDPEngine:
         Collective under FSDP: every rank must drain the iterator, and every rank receives the same
         full tensors (on its device; a colocated inference engine per rank can use them directly; a
         sync that sends from rank 0 ignores the others). With LoRA: merged weights, or the adapter
-        tensors alone (peft names) when ``lora.sync == "adapter"``. With ``qat``: the full-precision
+        tensors alone (peft names) when ``lora.sync == "adapter"``. Names are the model checkpoint's
+        (tandem/models/hf_names.py: an HF model's load-time fusions undone). With ``qat``: the full-precision
         master weights; the engine (``quantization``) or the sync (``sync.quantize``) quantizes them
         with the same op as the forward, so it serves the forward's weights.
         """
         self._check_open()
         adapter_only = self.config.lora is not None and self.config.lora.sync == "adapter"
         gather = partial(full_tensor, device=self.ctx.device)
-        named = hf_tensors(self.policy.module.lm, gather=gather, adapter_only=adapter_only)
+        lm = self.policy.module.lm
+        named = hf_tensors(lm, gather=gather, adapter_only=adapter_only)
+        if not adapter_only:  # the checkpoint's names: an HF model may have fused weights at load (MoE experts)
+            named = checkpoint_named(lm, named)
         yield from bucket_by_bytes(named, bucket_bytes)
 
     def save(self, path: str) -> None:
