@@ -65,3 +65,31 @@ def test_grpo_through_sglang_router_with_two_replicas_keeps_the_exact_contract(t
     assert [r["step"] for r in rows] == [0, 1]
     assert all(r["train_rollout_logprob_abs_diff/max"] == 0.0 and r["train/grad_norm"] > 0 for r in rows), rows
     assert min(served) > 50  # both replicas generated rollouts
+
+
+def test_lora_adapter_only_sync_through_the_sglang_api_keeps_the_exact_contract(tmp_path):
+    """sync.lora_mode: adapter with SGLang: each sync is a peft folder the server loads (/load_lora_adapter) and a
+    new weight version (/update_weight_version); rollouts use the newest adapter, and |train - rollout| stays 0."""
+    lora = "trainer.fsdp.lora={rank: 4, alpha: 8.0, target_modules: [q_proj, v_proj, down_proj]}"
+    with serving([str(RECIPE), "inference.torch.deterministic=true", "--api", "sglang"]) as url:
+        run = Run(_cfg([url], "run.steps=2", lora, "sync.lora_mode=adapter", "trainer.fsdp.optimizer.lr=0.05"),
+                  tmp_path)
+        try:
+            assert run.engine.info.lora_adapters and run.engine.config.lora_alpha == 8.0
+            run.train(close=False)
+            assert run.engine.weight_version == 2 and run.engine._lora == "tandem-v2"
+        finally:
+            run.close()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    for r in rows:
+        assert r["train/grad_norm"] > 0
+        assert r["train_rollout_logprob_abs_diff/max"] == 0.0, r
+    # an adapter sync moves the adapters only: a small fraction of the model's bytes
+    assert 0 < rows[-1]["sync/bytes"] < 0.2 * _model_bytes(), rows[-1]["sync/bytes"]
+
+
+def _model_bytes() -> int:
+    from tandem.models import resolve_model
+
+    return sum(f.stat().st_size for f in resolve_model("tiny-llama").glob("*.safetensors"))

@@ -59,8 +59,16 @@ class SGLangEngineConfig:
     port: int = 0  # 0: a free port
     startup_timeout_s: float = 900.0
     server_args: dict[str, Any] = field(default_factory=dict)  # passed to launch_server as they are
+    # adapter-only LoRA sync: the trainer's adapters go to the servers as peft folders (/load_lora_adapter)
+    # with this scaling alpha (a run with sync.lora_mode: adapter fills it in); None: merged weights only
+    lora_alpha: float | None = None
+    lora_max_rank: int = 64
 
     def __post_init__(self) -> None:
+        if self.lora_alpha is not None and not self.lora_alpha > 0:
+            raise ValueError(f"lora_alpha={self.lora_alpha} must be > 0 (or None: no adapter-only sync)")
+        if self.lora_max_rank < 1:
+            raise ValueError(f"lora_max_rank={self.lora_max_rank} must be >= 1")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2 (one prompt + one new token)")
         for name in ("urls", "worker_urls"):

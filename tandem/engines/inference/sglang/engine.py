@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import random
+import shutil
 import threading
 import time
 from collections.abc import Sequence
@@ -105,8 +106,11 @@ class SGLangEngine:
             name="sglang", version=str(first["version"]), dtype=config.model.dtype,
             deterministic=all(bool(i.get("enable_deterministic_inference")) for i in infos),
             moe_layers=moe_layers, max_context=config.max_model_len, vocab_size=self._vocab, can_sleep=True,
-            routed_experts=routed,
+            routed_experts=routed, lora_adapters=config.lora_alpha is not None,
         )
+        self._base_index = None  # the base checkpoint's weight names and shapes (adapter-only sync checks)
+        self._lora: str | None = None  # the synced adapter every request uses unless it names another
+        self._adapters: list[tuple[str, Path]] = []  # synced adapters still loaded (name, staged folder)
         self._seed_rng = random.Random(config.seed)
         self._lock = threading.Lock()
         self._inflight: dict[str, tuple[str, list[str]]] = {}  # request id -> (server url, sample rids)
@@ -219,6 +223,8 @@ class SGLangEngine:
         self.abort_all()
         self._closed = True
         self._weights.close()
+        for _, folder in self._adapters:  # staged adapter folders of adapter-only sync
+            shutil.rmtree(folder, ignore_errors=True)
         asyncio.run_coroutine_threadsafe(self._ahttp.aclose(), self._loop).result(timeout=10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=10)
@@ -251,6 +257,38 @@ class SGLangEngine:
         for url in self.workers:
             self._post(url, "/load_lora_adapter", {"lora_name": name, "lora_path": str(folder)}, error=ValueError)
 
+    def load_lora_adapter(self, named_tensors, version: int) -> None:
+        """`LoRAEngine` (adapter-only sync): the trainer's adapter tensors (peft names) become a peft folder every
+        server loads as ``tandem-v<version>``; later requests use it unless they name another (``lora="base"``:
+        the base model), and the servers' weight version becomes ``version`` (``/update_weight_version``).
+        The previous adapter stays loaded for requests still in flight; older ones are unloaded."""
+        from tandem.engines.inference.vllm.weights import CheckpointIndex, lora_adapter_folder, staging_root
+
+        if self.config.lora_alpha is None:
+            raise ValueError("load_lora_adapter: SGLangEngineConfig.lora_alpha is not set (adapter-only sync is "
+                             "off); set it to the trainer's LoRA alpha, or send merged weights (sync.lora_mode: merged)")
+        self._check_open()
+        if self._base_index is None:
+            self._base_index = CheckpointIndex(self.model_folder, tied_embeddings=True)
+        folder = lora_adapter_folder(list(named_tensors), staging_root(self.config.staging_dir), self._base_index,
+                                     alpha=self.config.lora_alpha, max_rank=self.config.lora_max_rank)
+        name = f"tandem-v{int(version)}"
+        try:
+            self.load_lora_adapter_from_path(name, str(folder))
+            for url in self.workers:
+                self._post(url, "/update_weight_version", {"new_version": str(int(version)),
+                                                           "abort_all_requests": False})
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        self._adapters.append((name, folder))
+        self._lora, self._version = name, int(version)
+        while len(self._adapters) > 2:
+            old, old_folder = self._adapters.pop(0)
+            for url in self.workers:
+                self._post(url, "/unload_lora_adapter", {"lora_name": old})
+            shutil.rmtree(old_folder, ignore_errors=True)
+
     # -- requests ----------------------------------------------------------------------------------------
 
     def _check_open(self) -> None:
@@ -280,7 +318,8 @@ class SGLangEngine:
         base = sampling.seed if sampling.seed is not None else self._seed_rng.getrandbits(63)
         body = P.generate_body(prompt, sampling, rids=rids, seeds=[derive_seed(base, i) for i in range(sampling.n)],
                                max_new_tokens=min(sampling.max_new_tokens, self.config.max_model_len - len(prompt)),
-                               lora=request.lora)
+                               lora=self._lora if request.lora is None else
+                               (None if request.lora == "base" else request.lora))
         return _Plan(request=request, prompt=prompt, url=url, body=body)
 
     def _submit_group(self, plans: list[_Plan]) -> concurrent.futures.Future:

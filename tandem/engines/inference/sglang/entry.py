@@ -12,11 +12,14 @@ __all__ = ["ENTRY"]
 
 
 def fill(facts: RunFacts, config: Any):
-    """The recipe's ``inference.sglang`` section with the run's model, seed and context."""
+    """The recipe's ``inference.sglang`` section with the run's model, seed and context; with adapter-only
+    LoRA sync, the servers load the trainer's adapters with the trainer's scaling and rank."""
     from tandem.engines.inference.sglang.config import SGLangEngineConfig
 
     ec, changes = run_section(config, SGLangEngineConfig, facts)
     changes["max_model_len"] = min(ec.max_model_len, facts.max_context)
+    if facts.adapter_sync and facts.lora_rank is not None and ec.lora_alpha is None:
+        changes |= {"lora_alpha": facts.lora_alpha, "lora_max_rank": max(ec.lora_max_rank, facts.lora_rank)}
     return dataclasses.replace(ec, **changes)
 
 
@@ -46,10 +49,8 @@ ENTRY = EngineEntry(
     fill=fill,
     refuse=refuse,
     # routed experts for MoE models whose servers capture them (the built engine's info says)
-    capabilities=frozenset({"can_sleep", "routed_experts"}),
+    capabilities=frozenset({"can_sleep", "routed_experts", "lora_adapters"}),
     why_not={"can_score": "the adapter has no prefill score()",
-             "lora_adapters": "the adapter loads peft folders by name (load_lora_adapter_from_path), not the "
-                              "trainer's adapter tensors",
              "partial_updates": "SGLang reloads the weights it is given as a model folder; send full updates",
              "exposes_weights": "the weights live in the server process"},
     contracts=CONTRACTS,

@@ -8,6 +8,7 @@ semantics (tandem/engines/inference/sglang/protocol.py cites where each comes fr
                                           return_logprob, return_routed_experts, lora_path
     POST /abort_request                   {"rid"} or {"abort_all": true}: partial output, finish "abort"
     POST /update_weights_from_disk        a safetensors folder (model_path), weight_version
+    POST /update_weight_version           the weight version alone (new_version; after an adapter load)
     POST /init_weights_update_group       join a broadcast group (gloo here; nccl needs CUDA)
     POST /update_weights_from_distributed names, dtypes, shapes broadcast from rank 0 of that group
     POST /destroy_weights_update_group
@@ -270,6 +271,14 @@ def _routes(app: FastAPI, st: _State) -> None:  # noqa: C901 - one flat list of 
         except (ValueError, OSError) as e:
             return _lora_result(False, f"load_lora_adapter {obj['lora_name']!r}: {e}", engine)
         return _lora_result(True, None, engine)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request):
+        obj = _fields(await _body(request), {"new_version": None, "abort_all_requests": True},
+                      "/update_weight_version")
+        if obj["new_version"] is None:
+            raise SGLangAPIError("/update_weight_version: new_version is required")
+        return _apply(st, [], _version(obj["new_version"], engine), bool(obj["abort_all_requests"]))
 
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: Request):
