@@ -187,7 +187,7 @@ def test_a_tandem_export_adapter_only_folder_loads_in_vllm(tmp_path):
     assert cli_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "ad"), "--adapter-only"]) == 0
     assert cli_main(["export", str(tmp_path / "ckpt"), str(tmp_path / "hf")]) == 0
     ps = prompts([6, 13], seed=35)
-    with make_vllm_engine("inprocess", lora_alpha=8.0, lora_max_rank=8) as engine:
+    with make_vllm_engine("async", lora_alpha=8.0, lora_max_rank=8) as engine:
         plain = engine.generate(requests(ps, temperature=0, max_new_tokens=12))
         engine.load_lora_adapter_from_path(tmp_path / "ad", version=1)
         served = engine.generate(requests(ps, temperature=1.0, max_new_tokens=12, seed=4))
