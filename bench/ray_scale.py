@@ -31,6 +31,7 @@ import argparse
 import asyncio
 import json
 import logging
+import shutil
 import statistics
 import tempfile
 import threading
@@ -171,9 +172,12 @@ def async_benchmark(args) -> dict[str, float]:
     phases, sync_s = [], []
     for rep in range(args.repeats):
         for mode in ("sync", "one_step_off"):
-            run_dir = tempfile.mkdtemp()
-            Run(loop_config(mode, args.steps, []), run_dir).train()
-            rows = read_metrics(run_dir)[1:]  # the first step warms up
+            run_dir = tempfile.mkdtemp(prefix="tandem-bench-ray-")
+            try:
+                Run(loop_config(mode, args.steps, []), run_dir).train()
+                rows = read_metrics(run_dir)[1:]  # the first step warms up
+            finally:
+                shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints: a bench leaves nothing behind
             step = statistics.median(r["time/step_s"] for r in rows)
             results[mode].append(step)
             if mode == "sync":
@@ -198,7 +202,7 @@ def async_benchmark(args) -> dict[str, float]:
 
 def recovery_benchmark(args) -> dict[str, float]:
     """Kill replica 0 during each of several steps; time until it serves again at the run's version."""
-    run_dir = tempfile.mkdtemp()
+    run_dir = tempfile.mkdtemp(prefix="tandem-bench-ray-")
     steps = args.kills + 2
     run = Run(loop_config("sync", steps, ["inference.replicas=2", "ray.max_replica_restarts=10"]), run_dir)
     recoveries: list[float] = []
@@ -230,6 +234,7 @@ def recovery_benchmark(args) -> dict[str, float]:
     run.train()
     thread.join(timeout=120)
     rows = read_metrics(run_dir)
+    shutil.rmtree(run_dir, ignore_errors=True)
     # every sample the run asked for came back generated: none failed or aborted (a replica's death
     # re-queues its requests), and every step ran
     lost = sum(r["rollout/failed"] + r["rollout/aborted"] for r in rows)
