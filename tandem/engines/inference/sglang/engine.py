@@ -34,12 +34,11 @@ from tandem.core.protocols import (
     GenerationResult,
     NamedTensors,
 )
+from tandem.engines.inference.common import derive_seed, error_result
 from tandem.engines.inference.sglang import protocol as P
 from tandem.engines.inference.sglang.config import SGLangEngineConfig
 from tandem.engines.inference.sglang.launch import launch_server
 from tandem.engines.inference.sglang.weights import BroadcastUpdate, DiskUpdate
-from tandem.engines.inference.torch.sampling import derive_seed
-from tandem.engines.inference.torch.scheduler import error_result
 
 __all__ = ["SGLangEngine", "SGLangServerError", "model_facts"]
 
@@ -262,7 +261,7 @@ class SGLangEngine:
         server loads as ``tandem-v<version>``; later requests use it unless they name another (``lora="base"``:
         the base model), and the servers' weight version becomes ``version`` (``/update_weight_version``).
         The previous adapter stays loaded for requests still in flight; older ones are unloaded."""
-        from tandem.engines.inference.vllm.weights import CheckpointIndex, lora_adapter_folder, staging_root
+        from tandem.engines.inference.common import CheckpointIndex, lora_adapter_folder, staging_root
 
         if self.config.lora_alpha is None:
             raise ValueError("load_lora_adapter: SGLangEngineConfig.lora_alpha is not set (adapter-only sync is "

@@ -41,8 +41,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
 from tandem.core.protocols import EngineError, GenerationRequest, SamplingParams
+from tandem.engines.inference.common import derive_seed
 from tandem.engines.inference.sglang import protocol as P
-from tandem.engines.inference.torch.sampling import derive_seed
 from tandem.rollout.server import BodySizeLimit, SafeJSONResponse
 
 __all__ = ["SGLangAPIError", "create_sglang_app", "eos_token_ids"]

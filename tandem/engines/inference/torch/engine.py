@@ -48,11 +48,12 @@ from tandem.core.protocols import (
     NamedTensors,
     SamplingParams,
 )
+from tandem.engines.inference.common import derive_seed, error_result
 from tandem.engines.inference.torch.config import TorchEngineConfig
 from tandem.engines.inference.torch.kv_cache import KVCache, StepAttention
 from tandem.engines.inference.torch.lora import AdapterMethods, ServedAdapters
-from tandem.engines.inference.torch.sampling import RowSampler, derive_seed, sample_tokens
-from tandem.engines.inference.torch.scheduler import Phase, RequestState, Scheduler, StepPlan, error_result
+from tandem.engines.inference.torch.sampling import RowSampler, sample_tokens
+from tandem.engines.inference.torch.scheduler import Phase, RequestState, Scheduler, StepPlan
 from tandem.kernels.load import DequantizeOnLoad
 from tandem.kernels.state_dict import find_quantized
 from tandem.models.attention import MoERouting

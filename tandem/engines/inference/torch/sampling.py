@@ -21,18 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.engines.inference.common import derive_seed
+
 __all__ = ["RowSampler", "derive_seed", "sample_tokens"]
-
-_MASK64 = (1 << 64) - 1
-
-
-def derive_seed(seed: int, index: int) -> int:
-    """A well-mixed 63-bit seed for sample ``index`` of a request seeded with ``seed`` (SplitMix64)."""
-    z = (seed * 0x9E3779B97F4A7C15 + (index + 1) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return (z ^ (z >> 31)) >> 1
-
 
 @dataclass(slots=True)
 class RowSampler:

@@ -29,6 +29,7 @@ from tandem.core.protocols import (
     GenerationResult,
     SamplingParams,
 )
+from tandem.engines.inference.common import error_result
 from tandem.engines.inference.torch.kv_cache import PrefillChunk
 from tandem.engines.inference.torch.sampling import RowSampler
 
@@ -250,13 +251,3 @@ class Scheduler:
         expected = len(seq.request.prompt) + len(seq.output) - 1
         out = np.concatenate(rows)[:expected]
         return np.ascontiguousarray(out, dtype=np.int32)
-
-
-def error_result(request: GenerationRequest, message: str) -> GenerationResult:
-    prompt = request.prompt_token_ids if isinstance(request.prompt_token_ids, list) else []
-    return GenerationResult(
-        request_id=request.request_id,
-        prompt_token_ids=list(prompt),
-        completions=[Completion(token_ids=[], log_probs=[], finish_reason=FinishReason.ERROR, error=message)],
-        error=message,
-    )
