@@ -38,6 +38,7 @@ from tandem.models.registry import ModelConfig
 from tandem.plugins import PluginError
 
 __all__ = [
+    "adapter_changes",
     "INFERENCE_CAPABILITIES",
     "INFERENCE_ENGINES",
     "TRAINING_CAPABILITIES",
@@ -141,6 +142,14 @@ class EngineSpec:
 
     def build(self) -> Any:
         return import_object(self.factory, what="engine factory")(self.config, **self.kwargs)
+
+
+def adapter_changes(facts: RunFacts, section: Any) -> dict[str, Any]:
+    """With adapter-only LoRA sync: the trainer's alpha and rank for an engine section with ``lora_alpha`` /
+    ``lora_max_rank`` fields that names no alpha of its own (else no change)."""
+    if facts.adapter_sync and facts.lora_rank is not None and section.lora_alpha is None:
+        return {"lora_alpha": facts.lora_alpha, "lora_max_rank": max(section.lora_max_rank, facts.lora_rank)}
+    return {}
 
 
 def run_section(config: Any, config_class: type, facts: RunFacts) -> tuple[Any, dict[str, Any]]:

@@ -6,7 +6,7 @@ import dataclasses
 from typing import Any
 
 from tandem.core.contracts import Contract, PairContract
-from tandem.engines.registry import EngineEntry, RunFacts, cuda_available, run_section
+from tandem.engines.registry import EngineEntry, RunFacts, adapter_changes, cuda_available, run_section
 
 __all__ = ["ENTRY"]
 
@@ -18,8 +18,7 @@ def fill(facts: RunFacts, config: Any):
 
     ec, changes = run_section(config, SGLangEngineConfig, facts)
     changes["max_model_len"] = min(ec.max_model_len, facts.max_context)
-    if facts.adapter_sync and facts.lora_rank is not None and ec.lora_alpha is None:
-        changes |= {"lora_alpha": facts.lora_alpha, "lora_max_rank": max(ec.lora_max_rank, facts.lora_rank)}
+    changes |= adapter_changes(facts, ec)
     return dataclasses.replace(ec, **changes)
 
 
