@@ -131,6 +131,61 @@ def test_n_samples_share_one_prefill():
         torch.testing.assert_close(torch.tensor(c.log_probs), expected, rtol=0, atol=2e-5)
 
 
+def _single(prompt, seed, **sampling):
+    return GenerationRequest(prompt_token_ids=prompt, sampling=SamplingParams(seed=seed, **sampling))
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_requests_with_the_same_prompt_share_one_prefill(deterministic):
+    """n single-sample requests of one prompt (how SGLang's API sends n) compute the prompt once and
+    sample exactly what each request gets alone."""
+    prompt, other = prompts([37, 29], seed=7)
+    sampling = dict(temperature=1.0, max_new_tokens=12)
+    with make_engine(max_num_seqs=8, deterministic=deterministic) as engine:
+        alone = [engine.generate([_single(prompt, seed, **sampling)])[0] for seed in (1, 2, 3)]
+        before = engine.health()["prompt_tokens_computed"]
+        shared = engine.generate([_single(prompt, seed, **sampling) for seed in (1, 2, 3)]
+                                 + [_single(other, 4, **sampling)])
+        computed = engine.health()["prompt_tokens_computed"] - before
+        assert engine.scheduler.groups == {}  # groups end with their requests
+    assert computed == len(prompt) + 2 + len(other)
+    for a, b in zip(alone, shared, strict=False):
+        assert a.completions[0].token_ids == b.completions[0].token_ids
+        if deterministic:
+            assert a.completions[0].log_probs == b.completions[0].log_probs
+        else:
+            np.testing.assert_allclose(a.completions[0].log_probs, b.completions[0].log_probs, rtol=0, atol=2e-5)
+
+
+def test_a_weight_update_ends_prefix_sharing_with_requests_before_it():
+    """A request submitted after a weight update never reuses prompt keys/values computed before it."""
+    prompt = prompts([33], seed=3)[0]
+    sampling = dict(temperature=1.0, max_new_tokens=40)
+    with make_engine(max_num_seqs=4) as engine:
+        first = engine._submit(_single(prompt, 1, **sampling))  # in flight across the update
+        while engine.health()["prompt_tokens_computed"] < len(prompt):
+            engine._drive(blocking=True)
+        named = [(n, p.detach().clone() * 1.01) for n, p in engine.model.named_parameters()]
+        engine.update_weights(named, version=1)
+        before = engine.health()["prompt_tokens_computed"]
+        [late] = engine.generate([_single(prompt, 2, **sampling)])
+        assert engine.health()["prompt_tokens_computed"] - before == len(prompt)
+        ref = teacher_forced(engine.model, [(prompt, late.completions[0].token_ids)])[0]
+        first.result(timeout=60)
+    torch.testing.assert_close(torch.tensor(late.completions[0].log_probs), ref, rtol=0, atol=2e-5)
+
+
+def test_moe_routed_experts_with_a_prefill_shared_across_requests():
+    prompt = prompts([19], seed=13)[0]
+    with make_engine("tiny-qwen3-moe") as engine:
+        results = engine.generate([_single(prompt, s, temperature=1.0, max_new_tokens=8, return_routed_experts=True)
+                                   for s in (5, 6)])
+        pairs = [(prompt, r.completions[0].token_ids) for r in results]
+        _, routes = teacher_forced(engine.model, pairs, routing=True)
+    for r, expected in zip(results, routes, strict=True):
+        np.testing.assert_array_equal(np.sort(r.completions[0].routed_experts, -1), np.sort(expected, -1))
+
+
 def test_continuous_batching_equals_one_at_a_time():
     ps = prompts([6, 40, 3, 22, 15, 9, 28], seed=8)
     sampling = dict(temperature=0.9, max_new_tokens=25, seed=4, stop_token_ids=(STOP,))

@@ -71,6 +71,20 @@ def test_rows_of_different_adapters_in_one_batch_get_exactly_their_own_results(a
     assert eng.lora_adapters()["other"]["rank"] == 4
 
 
+def test_one_prompt_under_different_adapters_shares_no_prefill(adapter):
+    """Requests of one prompt share its prefill only under the same adapter (keys/values differ)."""
+    eng = make_engine(deterministic=True, lora_alpha=8.0)
+    eng.load_lora_adapter(adapter, version=1)
+    eng.add_lora_adapter("other", [(n, t * -0.5) for n, t in adapter], alpha=8.0)
+    p = prompts([12])[0]
+    which = [None, "other", "base", None]
+    alone = [_out(eng.generate([_req(p, w, seed=i)])[0]) for i, w in enumerate(which)]
+    before = eng.health()["prompt_tokens_computed"]
+    mixed = eng.generate([_req(p, w, seed=i) for i, w in enumerate(which)])
+    assert eng.health()["prompt_tokens_computed"] - before == 3 * len(p) + 1  # the two policy requests share
+    assert [_out(r) for r in mixed] == alone
+
+
 def test_adapter_log_probs_equal_the_lora_trainer_bit_for_bit(adapter):
     """The trainer scores the engine's samples with its peft adapters: the same bits (deterministic mode)."""
     torch.manual_seed(0)

@@ -130,6 +130,7 @@ class TorchEngine(AdapterMethods):
         self._version = 0
         self._seed_rng = random.Random(config.seed)
         self._sleeping = False
+        self._paused = False  # pause_generation: no step runs, sequences keep their place and cache
         self._stats = {"steps": 0, "prompt_tokens_computed": 0, "generated_tokens": 0, "step_seconds": 0.0}
         self._last_error: str | None = None
         self._inflight: set[str] = set()
@@ -213,7 +214,8 @@ class TorchEngine(AdapterMethods):
             if self._drive(blocking=False):
                 await asyncio.sleep(0)
             elif self._inbox or self.scheduler.running or self.scheduler.waiting:
-                await asyncio.sleep(0.001)  # another thread is stepping, or an update holds the lock
+                # another thread is stepping, an update holds the lock, or generation is paused
+                await asyncio.sleep(0.01 if self._paused else 0.001)
             else:
                 return
 
@@ -350,6 +352,14 @@ class TorchEngine(AdapterMethods):
             self._pack()
             self._sleeping = False
 
+    def pause_generation(self) -> None:
+        """Hold every request where it is (SGLang's in-place pause): no step runs until
+        `continue_generation`; updates, aborts and health still work; sequences keep their cache."""
+        self._paused = True
+
+    def continue_generation(self) -> None:
+        self._paused = False
+
     def _pack(self) -> None:
         if self.config.pack_weights and self.cache.device.type == "cpu":
             self._packed.update(pack_weights(self.model))
@@ -360,6 +370,7 @@ class TorchEngine(AdapterMethods):
         return {
             "status": status,
             "weight_version": self._version,
+            "paused": self._paused,
             "running": len(sched.running),
             "waiting": sched.num_waiting + sum(r.params.n for r in list(self._inbox)),
             "free_slots": len(sched.free_slots),
@@ -467,7 +478,7 @@ class TorchEngine(AdapterMethods):
             return False
         try:
             self._absorb()
-            if self._sleeping or not (self.scheduler.running or self.scheduler.waiting):
+            if self._sleeping or self._paused or not (self.scheduler.running or self.scheduler.waiting):
                 return False
             if self.config.deterministic:
                 numerics = batch_invariant_mode(packed=self._packed)
@@ -485,7 +496,9 @@ class TorchEngine(AdapterMethods):
             inbox, self._inbox = self._inbox, []
             aborts, self._aborts = self._aborts, []
         for state in inbox:
-            self.scheduler.add(state)
+            # another request's prompt keys/values serve this one only under the same weights and adapter
+            adapter = self._adapter_of(state.request)
+            self.scheduler.add(state, share=(self._version, adapter, id(self.adapters.adapters.get(adapter))))
         for request_id in aborts:
             self.scheduler.abort(request_id)
 

@@ -2,10 +2,13 @@
 
 Each sample of a request is one `Sequence` in one KV-cache slot. Requests are admitted first come,
 first served while slots are free (a request whose samples do not all fit takes the free slots and
-the rest of its samples follow as slots free up: nothing is dropped). The ``n`` samples of a prompt
-share its prefill: the first admitted sample (the *leader*) computes the prompt, the others copy the
+the rest of its samples follow as slots free up: nothing is dropped). Samples of the same prompt share
+its prefill: the first admitted sample (the *leader*) computes the prompt, the others copy the
 keys/values of positions ``0 .. P - 2`` from a sibling's slot and compute only the last prompt token
-themselves (one row each), which yields their first sampled token.
+themselves (one row each), which yields their first sampled token. Siblings are the ``n`` samples of one
+request and the samples of other requests in flight with the same prompt tokens, the same adapter,
+the same weight version at submission and the same routed-experts flag (a `PrefixGroup`): a client
+that sends ``n`` single-sample requests per prompt (SGLang's API does) computes each prompt once.
 
 Every step runs one decode token for each sequence past its prompt, plus up to ``prefill_chunk``
 prompt tokens. The scheduler holds no tensors; the engine runs the forward, appends the sampled
@@ -18,6 +21,7 @@ from __future__ import annotations
 import concurrent.futures
 import enum
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +37,7 @@ from tandem.engines.inference.common import error_result
 from tandem.engines.inference.torch.kv_cache import PrefillChunk
 from tandem.engines.inference.torch.sampling import RowSampler
 
-__all__ = ["Phase", "RequestState", "Scheduler", "Sequence", "StepPlan"]
+__all__ = ["Phase", "PrefixGroup", "RequestState", "Scheduler", "Sequence", "StepPlan"]
 
 
 class Phase(enum.Enum):
@@ -67,6 +71,30 @@ class Sequence:
 
 
 @dataclass(eq=False, slots=True)
+class PrefixGroup:
+    """Requests in flight that may share one prompt prefill (same key: prompt, adapter, version, routing)."""
+
+    key: tuple
+    prefix_len: int  # positions 0 .. P - 2 are shared; each sample computes position P - 1 itself
+    requests: list[RequestState] = field(default_factory=list)
+    prompt_routing: list[np.ndarray] = field(default_factory=list)  # rows of positions 0 .. P - 2
+    routed_rows: int = 0
+
+    def live(self) -> Iterator[Sequence]:
+        for state in self.requests:
+            for seq in state.sequences:
+                if seq.phase is not Phase.DONE:
+                    yield seq
+
+    def prefix_source(self) -> Sequence | None:
+        """A live sibling whose slot holds the keys/values of the shared prefix."""
+        for seq in self.live():
+            if seq.phase is not Phase.WAIT_PREFIX and seq.num_cached >= self.prefix_len:
+                return seq
+        return None
+
+
+@dataclass(eq=False, slots=True)
 class RequestState:
     request: GenerationRequest
     prompt: list[int]  # validated prompt token ids
@@ -76,23 +104,11 @@ class RequestState:
     pending: deque[int] = field(default_factory=deque)  # sample indices not admitted yet
     sequences: list[Sequence] = field(default_factory=list)
     completions: dict[int, Completion] = field(default_factory=dict)
-    prompt_routing: list[np.ndarray] = field(default_factory=list)  # rows of positions 0 .. P - 2
-    routed_rows: int = 0
+    group: PrefixGroup | None = None  # set by `Scheduler.add`
 
     @property
     def prefix_len(self) -> int:
         return len(self.prompt) - 1
-
-    def prefix_source(self) -> Sequence | None:
-        """A live sibling whose slot holds the keys/values of the shared prefix."""
-        for seq in self.sequences:
-            if (
-                seq.phase is not Phase.DONE
-                and seq.phase is not Phase.WAIT_PREFIX
-                and seq.num_cached >= self.prefix_len
-            ):
-                return seq
-        return None
 
 
 @dataclass(slots=True)
@@ -115,15 +131,34 @@ class Scheduler:
         self.waiting: deque[RequestState] = deque()
         self.running: dict[int, Sequence] = {}  # slot -> sequence
         self.active: dict[str, RequestState] = {}  # request id -> state, until resolved
+        self.groups: dict[tuple, PrefixGroup] = {}  # prefix-sharing key -> requests in flight
 
     @property
     def num_waiting(self) -> int:
         return sum(len(r.pending) for r in self.waiting)
 
-    def add(self, state: RequestState) -> None:
+    def add(self, state: RequestState, share: tuple = ()) -> None:
+        """Queue a request. ``share``: what else must match (beyond the prompt and the routed-experts
+        flag) for another request's keys/values to serve as this one's prefix (the engine passes the
+        adapter and the weight version)."""
         state.pending.extend(range(state.params.n))
         self.waiting.append(state)
         self.active[state.request.request_id] = state
+        key = (tuple(state.prompt), bool(state.params.return_routed_experts), *share)
+        group = self.groups.get(key)
+        if group is None:
+            group = self.groups[key] = PrefixGroup(key=key, prefix_len=state.prefix_len)
+        group.requests.append(state)
+        state.group = group
+
+    def _leave_group(self, state: RequestState) -> None:
+        group = state.group
+        if group is None:
+            return
+        if state in group.requests:
+            group.requests.remove(state)
+        if not group.requests and self.groups.get(group.key) is group:
+            del self.groups[group.key]
 
     def admit(self, make_sampler) -> None:
         """Give free slots to waiting samples, first come first served."""
@@ -133,7 +168,7 @@ class Scheduler:
                 index = state.pending.popleft()
                 slot = self.free_slots.pop(0)
                 seq = Sequence(request=state, index=index, slot=slot, sampler=make_sampler(state, index))
-                sibling_alive = any(s.phase is not Phase.DONE for s in state.sequences)
+                sibling_alive = next(state.group.live(), None) is not None
                 seq.phase = Phase.WAIT_PREFIX if sibling_alive and state.prefix_len > 0 else Phase.PREFILL
                 state.sequences.append(seq)
                 self.running[slot] = seq
@@ -159,12 +194,12 @@ class Scheduler:
         for seq in list(self.running.values()):
             if seq.phase is not Phase.WAIT_PREFIX:
                 continue
-            state = seq.request
-            source = state.prefix_source()
+            group = seq.request.group
+            source = group.prefix_source()
             if source is not None:
-                copies.append((source.slot, seq.slot, state.prefix_len))
-                seq.num_cached, seq.phase = state.prefix_len, Phase.PREFILL
-            elif not any(s.phase is Phase.PREFILL for s in state.sequences):
+                copies.append((source.slot, seq.slot, group.prefix_len))
+                seq.num_cached, seq.phase = group.prefix_len, Phase.PREFILL
+            elif not any(s.phase is Phase.PREFILL for s in group.live()):
                 seq.phase = Phase.PREFILL  # no sibling computes the prefix any more: compute it here
         return copies
 
@@ -217,11 +252,13 @@ class Scheduler:
         if state in self.waiting:
             self.waiting.remove(state)
         self.active.pop(state.request.request_id, None)
+        self._leave_group(state)
         if not state.future.done():
             state.future.set_result(error_result(state.request, message))
 
     def _resolve(self, state: RequestState) -> None:
         self.active.pop(state.request.request_id, None)
+        self._leave_group(state)
         if not state.future.done():
             completions = [state.completions[i] for i in range(state.params.n)]
             state.future.set_result(
@@ -234,18 +271,18 @@ class Scheduler:
 
     def record_routing(self, seq: Sequence, start: int, rows: np.ndarray) -> None:
         """Routing rows ``[count, layers, topk]`` of positions ``start ..`` computed for ``seq``."""
-        state = seq.request
-        shared = max(0, min(state.prefix_len, start + len(rows)) - max(start, state.routed_rows))
+        group = seq.request.group
+        shared = max(0, min(group.prefix_len, start + len(rows)) - max(start, group.routed_rows))
         if shared:
-            offset = max(start, state.routed_rows) - start
-            state.prompt_routing.append(rows[offset : offset + shared])
-            state.routed_rows += shared
-        own = rows[max(0, state.prefix_len - start) :]
+            offset = max(start, group.routed_rows) - start
+            group.prompt_routing.append(rows[offset : offset + shared])
+            group.routed_rows += shared
+        own = rows[max(0, group.prefix_len - start) :]
         if len(own):
             seq.routing.append(own)
 
     def _routed(self, seq: Sequence) -> np.ndarray | None:
-        rows = seq.request.prompt_routing + seq.routing
+        rows = seq.request.group.prompt_routing + seq.routing
         if not rows:
             return None
         expected = len(seq.request.prompt) + len(seq.output) - 1
