@@ -82,10 +82,10 @@ def server(model: str, args: argparse.Namespace, threads: int | None):
 
 
 @contextlib.contextmanager
-def router(workers: list[str]):
+def router(workers: list[str], policy: str = "cache_aware"):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers,
-                             "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()), "--policy", "round_robin", "--log-level",
+                             "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()), "--policy", policy, "--log-level",
                              "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -148,6 +148,9 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quick", action="store_true", help="tiny-llama, 8 x 4 x 16 tokens")
     p.add_argument("--skip-router", action="store_true")
+    p.add_argument("--policy", default="cache_aware", choices=["round_robin", "cache_aware", "power_of_two", "random"],
+                   help="sglang-router's load-balancing policy (its default: cache_aware, which keeps the samples of "
+                        "a prompt on one replica, where they share its prefill)")
     p.add_argument("--threads", type=int, default=1, help="torch threads of every engine (server and in-process)")
     args = p.parse_args()
     if args.quick:
@@ -191,20 +194,21 @@ def main() -> None:
 
     if not args.skip_router:
         with server(args.model, args, threads=1) as one, server(args.model, args, threads=1) as two:
-            with router([one]) as r1:
+            with router([one], args.policy) as r1:
                 direct = adapter(args.model, args, [one], [one])  # per-sample requests, as through the router
                 routed = adapter(args.model, args, [r1], [one])
                 timed(direct, reqs()), timed(routed, reqs())
                 d, r = alternate(lambda: timed(direct, reqs()), lambda: timed(routed, reqs()), args.repeats)
                 out |= summary("router_overhead", r, d)
                 direct.close(), routed.close()
-            with router([one]) as r1, router([one, two]) as r2:
+            with router([one], args.policy) as r1, router([one, two], args.policy) as r2:
                 single = adapter(args.model, args, [r1], [one])
                 double = adapter(args.model, args, [r2], [one, two])
                 timed(single, reqs()), timed(double, reqs())
                 s1, s2 = alternate(lambda: timed(single, reqs()), lambda: timed(double, reqs()), args.repeats)
                 out |= summary("router_scaling", s1, s2)
                 single.close(), double.close()
+    out["router_policy"] = args.policy
     out["load_avg_end"] = round(os.getloadavg()[0], 2)
     print("RESULT " + json.dumps(out), flush=True)
 

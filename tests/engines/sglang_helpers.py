@@ -67,6 +67,11 @@ def failing_app(*, version: str = "0.5.23", generate_status: int = 500, generate
         await asyncio.sleep(generate_delay_s)
         return JSONResponse({"error": {"message": "CUDA out of memory (stub)"}}, status_code=generate_status)
 
+    @app.post("/pause_generation")
+    @app.post("/continue_generation")
+    async def pause_or_continue():
+        return {"message": "ok", "status": "ok"}
+
     @app.post("/update_weights_from_disk")
     async def update():
         return JSONResponse({"success": False, "message": "internal failure (stub)"}, status_code=500)

@@ -97,7 +97,7 @@ def test_bad_control_bodies_get_a_400(server):
     for path, body, message in [
         ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "is not a folder"),
         ("/update_weights_from_disk", {"model_path": "/tmp", "weight_version": "v7"}, "'v7' is not an integer"),
-        ("/pause_generation", {"mode": "in_place"}, "mode='in_place' is not supported"),
+        ("/pause_generation", {"mode": "retract"}, "mode='retract' is not supported"),
         ("/release_memory_occupation", {"tags": ["gpu"]}, "tags=\\['gpu'\\]"),
         ("/abort_request", {"rid": 5}, "rid=5 must be a request id"),
         ("/load_lora_adapter", {"lora_name": "x", "lora_path": "/nonexistent"}, "not a peft adapter folder"),
@@ -163,6 +163,56 @@ def test_pause_aborts_running_requests_and_holds_new_ones_until_continue(case):
     assert out["held"][0].error is None and len(out["held"][0].completions[0].token_ids) == 3
     with pytest.raises(ValueError, match="mode='retract' is not supported"):
         engine.pause_generation("retract")
+
+
+def test_in_place_pause_holds_running_requests_with_their_cache_until_continue(case, server):
+    """mode in_place: a running request makes no progress while paused and finishes after continue,
+    with the tokens it had (no abort, no recompute); new requests wait at the door."""
+    engine = case.engine
+    long_ = requests(prompts([6], seed=4), temperature=1.0, max_new_tokens=120, seed=5)[0]
+    out: dict = {}
+    start = engine.health()["generated_tokens"]
+    thread = threading.Thread(target=lambda: out.update(long=engine.generate([long_])[0]))
+    thread.start()
+    wait_until(lambda: engine.health()["generated_tokens"] >= start + 10)
+    engine.pause_generation("in_place")
+    try:
+        held_at = engine.health()["generated_tokens"]
+        time.sleep(0.5)
+        assert engine.health()["generated_tokens"] == held_at and engine.health()["paused"]
+        assert "long" not in out
+    finally:
+        engine.continue_generation()
+    thread.join(timeout=60)
+    c = out["long"].completions[0]
+    assert c.finish_reason == FinishReason.LENGTH and len(c.token_ids) == 120
+
+
+def test_weight_updates_pause_the_servers_in_place_and_in_flight_requests_continue_on_the_new_weights(case, server):
+    """The adapter wraps an update in /pause_generation (in_place) + /continue_generation: a request in flight
+    keeps its tokens and finishes on the new weights (partial rollout: two versions in its completion)."""
+    engine = case.engine
+    pauses = httpx.get(f"{server}/get_server_info", timeout=10).json()["tandem"]["pauses"]
+    v = engine.weight_version
+    long_ = requests(prompts([7], seed=6), temperature=1.0, max_new_tokens=150, seed=7)[0]
+    out: dict = {}
+    start = engine.health()["generated_tokens"]
+    thread = threading.Thread(target=lambda: out.update(long=engine.generate([long_])[0]))
+    thread.start()
+    wait_until(lambda: engine.health()["generated_tokens"] >= start + 10)
+    engine.update_weights(case.checkpoint().items(), version=v + 1)
+    thread.join(timeout=60)
+    c = out["long"].completions[0]
+    assert c.finish_reason == FinishReason.LENGTH and len(c.token_ids) == 150
+    assert c.weight_versions == [v, v + 1]
+    assert httpx.get(f"{server}/get_server_info", timeout=10).json()["tandem"]["pauses"] == pauses + 1
+    assert not engine.health()["paused"]
+    quiet = adapter(server, pause_on_update="none")
+    try:
+        quiet.update_weights(case.checkpoint().items(), version=v + 2)
+    finally:
+        quiet.close()
+    assert httpx.get(f"{server}/get_server_info", timeout=10).json()["tandem"]["pauses"] == pauses + 1
 
 
 def test_a_lora_adapter_loaded_by_path_serves_requests_that_name_it(case, tmp_path):
@@ -282,6 +332,39 @@ def test_launch_command_passes_server_args_through_and_guards_tandems_own():
         SGLangEngineConfig(server_args={"context_length": 4})
     with pytest.raises(ValueError, match="apply only when the adapter launches SGLang"):
         SGLangEngineConfig(urls=["http://127.0.0.1:1"], server_args={"tp_size": 2})
+
+
+def test_launch_embedded_starts_replicas_the_adapter_spreads_requests_over_and_stops_them():
+    """launch: embedded (no SGLang, no servers started by hand): the adapter starts `tandem serve --api sglang`
+    replicas from a recipe of its own, sends requests to both, and stops them on close."""
+    engine = adapter([], launch="embedded", replicas=2, server_args={"deterministic": True, "max_num_seqs": 4})
+    try:
+        assert len(engine.urls) == 2 and engine.info.deterministic
+        results = engine.generate(requests(prompts([5, 9, 7, 11], seed=2), temperature=1.0, max_new_tokens=6, seed=1))
+        assert all(r.error is None and len(r.completions[0].token_ids) == 6 for r in results)
+        served = [httpx.get(f"{u}/get_server_info", timeout=10).json()["internal_states"][0] for u in engine.urls]
+        assert all(s["generated_tokens"] >= 6 for s in served)  # both replicas served requests
+        assert all(s["num_slots"] == 4 for s in served)  # server_args reached the embedded engines
+        urls = list(engine.urls)
+    finally:
+        engine.close()
+    for url in urls:
+        with pytest.raises(httpx.HTTPError):
+            httpx.get(f"{url}/health", timeout=2)
+
+
+def test_launch_settings_are_checked():
+    model = ModelConfig(name="tiny-llama")
+    with pytest.raises(ValueError, match="replicas=2 applies to launch: embedded"):
+        SGLangEngineConfig(model=model, replicas=2)
+    with pytest.raises(ValueError, match="replicas=0 must be an integer >= 1"):
+        SGLangEngineConfig(model=model, launch="embedded", replicas=0)
+    with pytest.raises(ValueError, match=r"server_args\['seed'\] is set by the adapter: use SGLangEngineConfig.seed"):
+        SGLangEngineConfig(model=model, launch="embedded", server_args={"seed": 1})
+    with pytest.raises(ValueError, match=r"server_args\['mem_fraction_static'\] is not a setting of the embedded"):
+        adapter([], launch="embedded", server_args={"mem_fraction_static": 0.5})
+    with pytest.raises(ValueError, match="pause_on_update='later' must be"):
+        SGLangEngineConfig(model=model, pause_on_update="later")
 
 
 def test_without_sglang_installed_launching_names_the_install():

@@ -93,3 +93,46 @@ def _model_bytes() -> int:
     from tandem.models import resolve_model
 
     return sum(f.stat().st_size for f in resolve_model("tiny-llama").glob("*.safetensors"))
+
+
+def _launched(*overrides: str) -> RunConfig:
+    """``inference.sglang.launch: embedded``: the adapter starts its own server (no SGLang, nothing by hand)."""
+    return load_config(RunConfig, RECIPE, ["inference.engine=sglang", "trainer.fsdp.deterministic=true",
+                                           "inference.sglang={launch: embedded, server_args: {deterministic: true}}",
+                                           "reward.terms=[{name: 'tests.runtime.rewards:even_tokens'}]", *overrides])
+
+
+def test_a_run_that_launches_its_embedded_sglang_server_keeps_the_exact_contract(tmp_path):
+    run = Run(_launched("run.steps=2"), tmp_path)
+    try:
+        [url] = run.engine.urls
+        run.train(close=False)
+        import httpx
+
+        info = httpx.get(f"{url}/get_server_info", timeout=10).json()
+        assert info["weight_version"] == "2" and info["tandem"]["pauses"] == 2  # each sync paused in place
+    finally:
+        run.close()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1]
+    assert all(r["train_rollout_logprob_abs_diff/max"] == 0.0 and r["train/grad_norm"] > 0 for r in rows), rows
+
+
+def test_async_mode_through_a_launched_sglang_server_updates_between_rollouts_in_flight(tmp_path):
+    """runtime.mode: fully_async with partial rollouts: every update pauses the server in place (requests in flight keep
+    their tokens and cache) and continues it; the run completes every step and the server saw every sync."""
+    run = Run(_launched("run.steps=3", "runtime.mode=fully_async", "algorithm.off_policy.mode=tis",
+                        "runtime.max_staleness=1"), tmp_path)
+    try:
+        [url] = run.engine.urls
+        run.train(close=False)
+        import httpx
+
+        info = httpx.get(f"{url}/get_server_info", timeout=10).json()
+        assert info["weight_version"] == "3" and info["tandem"]["pauses"] == 3
+        assert not info["internal_states"][0]["paused"]
+    finally:
+        run.close()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all(r["train/grad_norm"] > 0 for r in rows), rows

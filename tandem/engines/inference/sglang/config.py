@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from tandem.models.registry import ModelConfig
 
-__all__ = ["OWNED_SERVER_ARGS", "SGLangEngineConfig"]
+__all__ = ["OWNED_EMBEDDED_ARGS", "OWNED_SERVER_ARGS", "SGLangEngineConfig"]
 
 # Server arguments the adapter sets itself when it launches SGLang (putting them in server_args is an
 # error naming the field to use instead).
@@ -28,6 +28,13 @@ OWNED_SERVER_ARGS = {
     "api_key": "SGLangEngineConfig.api_key",
     "skip_tokenizer_init": "nothing (the adapter sends token ids and reads token ids)",
     "enable_return_routed_experts": "nothing (set for MoE models, whose routes R3 replays)",
+}
+
+# The same for ``launch: embedded`` (server_args are the embedded engine's `inference.torch` keys).
+OWNED_EMBEDDED_ARGS = {
+    "model": "SGLangEngineConfig.model",
+    "max_model_len": "SGLangEngineConfig.max_model_len",
+    "seed": "SGLangEngineConfig.seed",
 }
 
 
@@ -50,11 +57,22 @@ class SGLangEngineConfig:
     staging_dir: str | None = None  # disk: where updates are written (None: /dev/shm, else the temp dir)
     group_address: str = "127.0.0.1"  # distributed: the address the servers reach this process on
     group_backend: Literal["gloo", "nccl"] = "gloo"
+    # around every weight update: /pause_generation with this mode, the update, /continue_generation.
+    # `in_place` (default): requests in flight stay in the server, with their cache, and continue on the new
+    # weights (partial rollouts; without a pause SGLang holds the update until every request in flight ends);
+    # `retract`: they go back to the server's queue and recompute their cache; `abort`: they end (partial);
+    # `none`: no pause (SGLang then waits for requests in flight before updating)
+    pause_on_update: Literal["in_place", "retract", "abort", "none"] = "in_place"
     request_timeout_s: float = 600.0  # one /generate (a long response takes a while)
     control_timeout_s: float = 300.0  # weight updates, sleep/wake, aborts, server info
     api_key: str | None = None  # sent as "Authorization: Bearer <key>"
-    # launching: `launch_python -m sglang.launch_server` on host:port with the model and server_args
-    launch_python: str | None = None  # an interpreter with sglang installed (None: this one)
+    # launching (``urls`` empty): `sglang` runs `launch_python -m sglang.launch_server` with the model and
+    # server_args (flags); `embedded` runs `launch_python -m tandem serve --api sglang` on the embedded engine,
+    # server_args being `inference.torch` keys (e.g. deterministic, max_num_seqs): the separate placement of
+    # this adapter with no SGLang installed, `replicas` servers of it (the adapter spreads requests over them)
+    launch: Literal["sglang", "embedded"] = "sglang"
+    replicas: int = 1
+    launch_python: str | None = None  # an interpreter with sglang (or tandem) installed (None: this one)
     host: str = "127.0.0.1"
     port: int = 0  # 0: a free port
     startup_timeout_s: float = 900.0
@@ -80,6 +98,15 @@ class SGLangEngineConfig:
             raise ValueError("worker_urls needs urls (the router in front of them)")
         if self.weight_transport not in ("disk", "distributed"):
             raise ValueError(f"weight_transport={self.weight_transport!r} must be 'disk' or 'distributed'")
+        if self.pause_on_update not in ("in_place", "retract", "abort", "none"):
+            raise ValueError(f"pause_on_update={self.pause_on_update!r} must be 'in_place', 'retract', 'abort' or 'none'")
+        if self.launch not in ("sglang", "embedded"):
+            raise ValueError(f"launch={self.launch!r} must be 'sglang' or 'embedded'")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas={self.replicas!r} must be an integer >= 1")
+        if self.replicas > 1 and (self.launch != "embedded" or self.urls):
+            raise ValueError(f"replicas={self.replicas} applies to launch: embedded without urls; for several SGLang "
+                             "servers start them (one per GPU set) and list them in urls, or put sglang-router in front")
         if self.group_backend not in ("gloo", "nccl"):
             raise ValueError(f"group_backend={self.group_backend!r} must be 'gloo' or 'nccl'")
         for name in ("request_timeout_s", "control_timeout_s", "startup_timeout_s"):
@@ -89,10 +116,10 @@ class SGLangEngineConfig:
             raise ValueError(f"port={self.port} must be in [0, 65535]")
         if not isinstance(self.server_args, dict):
             raise ValueError(f"server_args must be a mapping, got {type(self.server_args).__name__}")
-        owned = sorted(set(self.server_args) & set(OWNED_SERVER_ARGS))
+        table = OWNED_SERVER_ARGS if self.launch == "sglang" else OWNED_EMBEDDED_ARGS
+        owned = sorted(set(self.server_args) & set(table))
         if owned:
-            raise ValueError(f"server_args[{owned[0]!r}] is set by the adapter: use {OWNED_SERVER_ARGS[owned[0]]} "
-                             "instead")
+            raise ValueError(f"server_args[{owned[0]!r}] is set by the adapter: use {table[owned[0]]} instead")
         if self.urls and self.server_args:
             raise ValueError(f"server_args {sorted(self.server_args)} apply only when the adapter launches SGLang "
                              f"(urls is set: {self.urls}); give them to the servers you started")

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import random
 import shutil
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +38,7 @@ from tandem.core.protocols import (
 from tandem.engines.inference.common import derive_seed, error_result
 from tandem.engines.inference.sglang import protocol as P
 from tandem.engines.inference.sglang.config import SGLangEngineConfig
-from tandem.engines.inference.sglang.launch import launch_server
+from tandem.engines.inference.sglang.launch import launch_servers, stop_servers
 from tandem.engines.inference.sglang.weights import BroadcastUpdate, DiskUpdate
 
 __all__ = ["SGLangEngine", "SGLangServerError", "model_facts"]
@@ -85,12 +86,13 @@ class SGLangEngine:
         self._vocab, self._routing, moe_layers = model_facts(self.model_folder)
         headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
         self._http = httpx.Client(timeout=config.control_timeout_s, headers=headers)
-        self._proc = None
+        self._procs: list = []
         if config.urls:
             self.urls = [u.rstrip("/") for u in config.urls]
         else:
-            self._proc, url = launch_server(config, self.model_folder, routed_experts=self._routing is not None)
-            self.urls = [url]
+            launched = launch_servers(config, self.model_folder, routed_experts=self._routing is not None)
+            self._procs = [proc for proc, _ in launched]
+            self.urls = [url for _, url in launched]
         self.workers = [u.rstrip("/") for u in config.worker_urls] or self.urls  # where control calls go
         try:
             infos = [self._server_info(u) for u in self.workers]
@@ -171,7 +173,8 @@ class SGLangEngine:
     def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
         """Send HF-named tensors to every server (``weight_transport``); afterwards ``weight_version == version``.
         A server that refuses the update (unknown name, wrong shape) raises ValueError with its reason."""
-        self._weights.send(list(named_tensors), int(version))
+        with self._paused():
+            self._weights.send(list(named_tensors), int(version))
         self._version = int(version)
 
     def sleep(self) -> None:
@@ -197,7 +200,7 @@ class SGLangEngine:
         status = "closed" if self._closed else ("sleeping" if self._sleeping else "ok")
         with self._lock:
             out: dict[str, Any] = {"status": status, "weight_version": self._version, "running": len(self._inflight),
-                                   **self._stats, "servers": {}}
+                                   "paused": False, **self._stats, "servers": {}}
         counted = {"running": 0, "generated_tokens": 0}
         reported = 0
         for url in self.workers:
@@ -208,6 +211,8 @@ class SGLangEngine:
                 out["servers"][url] = str(e)
                 out["status"] = "error" if status == "ok" else status
                 continue
+            if isinstance(state, dict) and state.get("paused"):
+                out["paused"] = True  # a server holds its requests in place (/pause_generation in_place)
             if isinstance(state, dict) and all(isinstance(state.get(k), int) for k in counted):
                 reported += 1
                 for k in counted:
@@ -247,6 +252,19 @@ class SGLangEngine:
         for url in self.workers:
             self._post(url, "/continue_generation", {})
 
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        """Pause every server (``pause_on_update``) around a weight update; continue even if it fails."""
+        mode = self.config.pause_on_update
+        if mode == "none":
+            yield
+            return
+        self.pause_generation(mode)
+        try:
+            yield
+        finally:
+            self.continue_generation()
+
     def flush_cache(self) -> None:
         for url in self.workers:
             self._post(url, "/flush_cache", {})
@@ -273,10 +291,11 @@ class SGLangEngine:
                                      alpha=self.config.lora_alpha, max_rank=self.config.lora_max_rank)
         name = f"tandem-v{int(version)}"
         try:
-            self.load_lora_adapter_from_path(name, str(folder))
-            for url in self.workers:
-                self._post(url, "/update_weight_version", {"new_version": str(int(version)),
-                                                           "abort_all_requests": False})
+            with self._paused():
+                self.load_lora_adapter_from_path(name, str(folder))
+                for url in self.workers:
+                    self._post(url, "/update_weight_version", {"new_version": str(int(version)),
+                                                               "abort_all_requests": False})
         except BaseException:
             shutil.rmtree(folder, ignore_errors=True)
             raise
@@ -465,13 +484,8 @@ class SGLangEngine:
         return data if isinstance(data, dict) else {}
 
     def _stop_server(self) -> None:
-        if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=30)
-            except Exception:  # noqa: BLE001
-                self._proc.kill()
-            self._proc = None
+        procs, self._procs = self._procs, []
+        stop_servers(procs)
 
 
 def _json(response) -> Any:

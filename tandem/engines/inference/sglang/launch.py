@@ -1,8 +1,11 @@
-"""Launching ``python -m sglang.launch_server`` for the adapter (when ``SGLangEngineConfig.urls`` is empty)."""
+"""Launching servers for the adapter (when ``SGLangEngineConfig.urls`` is empty): ``python -m
+sglang.launch_server`` (``launch: sglang``), or ``python -m tandem serve RECIPE --api sglang`` on the embedded
+engine (``launch: embedded``, ``replicas`` of them), whose recipe holds the model and ``inference.torch``."""
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import socket
 import subprocess
 import sys
@@ -13,11 +16,11 @@ from typing import Any
 
 from tandem.engines.inference.sglang.config import SGLangEngineConfig
 
-__all__ = ["INSTALL", "launch_command", "launch_server"]
+__all__ = ["INSTALL", "embedded_command", "embedded_recipe", "launch_command", "launch_server", "launch_servers",
+           "stop_servers"]
 
 INSTALL = ("pip install 'sglang[all]==0.5.23' (a CUDA machine), or start servers yourself and set "
-           "SGLangEngineConfig.urls (e.g. `tandem serve MODEL --api sglang` serves the same API from the embedded "
-           "engine)")
+           "SGLangEngineConfig.urls, or set launch: embedded (the same API served by the embedded engine)")
 
 
 def _flag(key: str, value: Any) -> list[str]:
@@ -44,24 +47,82 @@ def launch_command(config: SGLangEngineConfig, model_folder: Path, port: int, *,
     return argv
 
 
+def embedded_command(config: SGLangEngineConfig, recipe: Path, port: int) -> list[str]:
+    """The argv that starts one embedded-engine server speaking SGLang's API from ``recipe``."""
+    argv = [config.launch_python or sys.executable, "-m", "tandem", "serve", str(recipe), "--api", "sglang",
+            "--host", config.host, "--port", str(port)]
+    return argv + (["--api-key", config.api_key] if config.api_key else [])
+
+
+def embedded_recipe(config: SGLangEngineConfig, folder: Path) -> Path:
+    """A recipe with the model and ``inference.torch`` (``server_args`` over the adapter's own keys), in
+    ``folder``; a key the embedded engine does not have is a ValueError naming it and the keys it has."""
+    import dataclasses
+
+    import yaml
+
+    from tandem.engines.inference.torch.config import TorchEngineConfig
+
+    known = {f.name for f in dataclasses.fields(TorchEngineConfig)} - {"model"}
+    unknown = sorted(set(config.server_args) - known)
+    if unknown:
+        raise ValueError(f"server_args[{unknown[0]!r}] is not a setting of the embedded engine (launch: embedded "
+                         f"takes inference.torch keys: {', '.join(sorted(known))})")
+    torch_section: dict[str, Any] = {"max_model_len": config.max_model_len, "seed": config.seed, **config.server_args}
+    if config.replicas > 1:  # replicas share the machine's cores
+        torch_section.setdefault("num_threads", max(1, (os.cpu_count() or 1) // config.replicas))
+    recipe = {"model": {"name": config.model.name, "dtype": config.model.dtype},
+              "inference": {"engine": "torch", "torch": torch_section}}
+    path = folder / "embedded-sglang-server.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    return path
+
+
 def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def launch_server(config: SGLangEngineConfig, model_folder: Path, *, routed_experts: bool):
-    """Start a server and wait until ``/health_generate`` answers 200: ``(process, base URL)``.
+def launch_servers(config: SGLangEngineConfig, model_folder: Path, *, routed_experts: bool):
+    """Start ``config.replicas`` servers (``config.launch``'s kind), each up: ``[(process, base URL)]``.
+    If one fails, those already started are stopped."""
+    started: list = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="tandem-sglang-launch-") as tmp:
+            recipe = embedded_recipe(config, Path(tmp)) if config.launch == "embedded" else None
+            for i in range(config.replicas):
+                port = (config.port + i if config.port else 0) or _free_port(config.host)
+                argv = (embedded_command(config, recipe, port) if recipe is not None else
+                        launch_command(config, model_folder, port, routed_experts=routed_experts))
+                started.append(launch_server(config, argv, port))
+    except BaseException:
+        stop_servers([proc for proc, _ in started])
+        raise
+    return started
 
-    ImportError naming the install when this Python has no SGLang (and no ``launch_python`` is given);
+
+def stop_servers(procs: list) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def launch_server(config: SGLangEngineConfig, argv: list[str], port: int):
+    """Start one server with ``argv`` and wait until ``/health_generate`` answers 200: ``(process, base URL)``.
+
+    ImportError naming the install when this Python has no SGLang (``launch: sglang``, no ``launch_python``);
     RuntimeError with the tail of the server's output when it exits or does not come up in time.
     """
     import httpx
 
-    if config.launch_python is None and importlib.util.find_spec("sglang") is None:
+    if config.launch == "sglang" and config.launch_python is None and importlib.util.find_spec("sglang") is None:
         raise ImportError(f"SGLang is not installed in this Python ({sys.executable}): {INSTALL}")
-    port = config.port or _free_port(config.host)
-    argv = launch_command(config, model_folder, port, routed_experts=routed_experts)
     log = tempfile.NamedTemporaryFile(prefix=f"sglang-{port}-", suffix=".log", delete=False)  # noqa: SIM115
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)  # a pipe nobody reads would fill up
     proc.log_path = log.name
@@ -72,7 +133,7 @@ def launch_server(config: SGLangEngineConfig, model_folder: Path, *, routed_expe
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             tail = Path(proc.log_path).read_bytes()[-3000:].decode(errors="replace")
-            raise RuntimeError(f"the SGLang server exited with code {proc.returncode} during start-up "
+            raise RuntimeError(f"the {config.launch} server exited with code {proc.returncode} during start-up "
                                f"({' '.join(argv)}):\n{tail}")
         try:
             if httpx.get(url + "/health_generate", headers=headers, timeout=5).status_code == 200:
@@ -81,5 +142,5 @@ def launch_server(config: SGLangEngineConfig, model_folder: Path, *, routed_expe
             pass
         time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"the SGLang server did not answer /health_generate within {config.startup_timeout_s} s "
+    raise RuntimeError(f"the {config.launch} server did not answer /health_generate within {config.startup_timeout_s} s "
                        f"(startup_timeout_s): {' '.join(argv)}")

@@ -12,7 +12,7 @@ semantics (tandem/engines/inference/sglang/protocol.py cites where each comes fr
     POST /init_weights_update_group       join a broadcast group (gloo here; nccl needs CUDA)
     POST /update_weights_from_distributed names, dtypes, shapes broadcast from rank 0 of that group
     POST /destroy_weights_update_group
-    POST /pause_generation                mode "abort" (in-place / retract: refused, see below)
+    POST /pause_generation                mode "abort" or "in_place" (retract: refused, see below)
     POST /continue_generation
     POST /release_memory_occupation       engine.sleep();  /resume_memory_occupation: wake_up()
     POST /load_lora_adapter               a peft folder under lora_name;  /unload_lora_adapter
@@ -23,9 +23,10 @@ semantics (tandem/engines/inference/sglang/protocol.py cites where each comes fr
 Bad input is a 400 naming the field and value (SGLang turns validation errors into 400 too); a field of
 SGLang's that this server does not implement is refused by name unless it holds its default, never
 silently ignored. The engine runs on the serving event loop (``agenerate``), like the session server.
-Pause modes ``in_place`` / ``retract`` keep requests inside SGLang's scheduler; the embedded engine has
-no such hold, so they are refused (``abort`` aborts what is in flight and holds new requests until
-``/continue_generation``).
+Pause modes: ``abort`` aborts what is in flight and holds new requests until ``/continue_generation``;
+``in_place`` holds running requests where they are, with their cache (no engine step runs; weight
+updates, aborts and health still do), and new ones at the door; ``retract`` (back to the waiting queue,
+cache dropped) is refused: the embedded engine does not retract.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ class _State:
         self.resumed = asyncio.Event()
         self.resumed.set()
         self.groups: dict[str, Any] = {}
+        self.pauses = 0  # /pause_generation calls served (in internal_states)
 
 
 def create_sglang_app(engine, *, model_path: str, served_model_name: str = "tandem",
@@ -229,16 +231,23 @@ def _routes(app: FastAPI, st: _State) -> None:  # noqa: C901 - one flat list of 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         obj = _fields(await _body(request), {"mode": "abort"}, "/pause_generation")
-        if obj["mode"] != "abort":
-            raise SGLangAPIError(f"/pause_generation: mode={obj['mode']!r} is not supported by the embedded engine "
-                                 "(it cannot hold running requests inside its scheduler); use mode 'abort'")
+        if obj["mode"] == "in_place" and callable(getattr(engine, "pause_generation", None)):
+            engine.pause_generation()  # running requests stay where they are, with their cache
+        elif obj["mode"] != "abort":
+            raise SGLangAPIError(f"/pause_generation: mode={obj['mode']!r} is not supported by this engine "
+                                 "(the embedded engine holds requests in place but does not retract them); "
+                                 "use mode 'in_place' or 'abort'")
         st.resumed.clear()
-        engine.abort_all()
+        st.pauses += 1
+        if obj["mode"] == "abort":
+            engine.abort_all()
         return {"message": "Generation paused successfully.", "status": "ok"}
 
     @app.post("/continue_generation")
     async def continue_generation(request: Request):
         _fields(await _body(request), {"torch_empty_cache": True}, "/continue_generation")
+        if callable(getattr(engine, "continue_generation", None)):
+            engine.continue_generation()
         st.resumed.set()
         return {"message": "Generation continued successfully.", "status": "ok"}
 
@@ -311,7 +320,7 @@ def _routes(app: FastAPI, st: _State) -> None:  # noqa: C901 - one flat list of 
                 "enable_deterministic_inference": info.deterministic, "weight_version": str(engine.weight_version),
                 "internal_states": [health], "version": P.PINNED_VERSION,
                 "tandem": {"engine": info.name, "engine_version": info.version, "vocab_size": info.vocab_size,
-                           "moe_layers": list(info.moe_layers), "can_sleep": info.can_sleep}}
+                           "moe_layers": list(info.moe_layers), "can_sleep": info.can_sleep, "pauses": st.pauses}}
 
     @app.get("/model_info")
     @app.get("/get_model_info")
