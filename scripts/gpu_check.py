@@ -139,6 +139,9 @@ def make_parts(py: str) -> list[Part]:
              requires=("pytest",)),
         Part("megatron", "Megatron-core engine on CUDA/NCCL: conversion parity, step time vs HF", 90, 200,
              *bench("megatron_gpu.py", "--model", "smollm2-random", "--steps", "3"), requires=("megatron.core",)),
+        Part("sglang", "SGLang adapter launching SGLang 0.5.23: contract on dense + MoE, tokens/s vs vLLM, "
+             "weight sync s/GB, FSDP+SGLang log-prob gap", 240, 420,
+             *bench("sglang.py", "--model", "smollm2-random"), requires=("sglang",)),
     ]
 
 

@@ -21,8 +21,10 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
-PARTS = ["env", "gpu_tests", "kernels", "sync", "contract", "engine", "kernel_suite", "megatron"]
+PARTS = ["env", "gpu_tests", "kernels", "sync", "contract", "engine", "kernel_suite", "megatron", "sglang"]
 HAS_MEGATRON = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core") is not None
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+ABSENT = {"megatron": not HAS_MEGATRON, "sglang": not HAS_SGLANG}  # parts skipped for a module not installed
 NAME_OK = re.compile(r"^[A-Za-z0-9._-]+$")  # what the device tool brings back from $OUT
 
 
@@ -59,7 +61,7 @@ def test_dry_run_rehearses_every_part(full_dry):
     assert doc["dry"] is True and doc["budget_s"] == 480
     assert list(doc["parts"]) == PARTS
     for name, entry in doc["parts"].items():
-        expected = "skipped" if name == "megatron" and not HAS_MEGATRON else "dry"
+        expected = "skipped" if ABSENT.get(name) else "dry"
         assert entry["status"] == expected, (name, entry)
         assert entry["est_s"] > 0 and entry["command"], name
     assert doc["estimated_total_s"] == sum(e["est_s"] for e in doc["parts"].values())
@@ -100,7 +102,7 @@ def test_budget_guard_skips_what_the_budget_cannot_hold(tmp_path):
     assert parts["env"]["status"] == "dry"
     for name in PARTS[1:]:
         assert parts[name]["status"] == "skipped", (name, parts[name])
-        if name != "megatron" or HAS_MEGATRON:
+        if not ABSENT.get(name):
             assert re.match(r"budget: needs ~\d+ s, \d+ s of 35 s left", parts[name]["reason"]), parts[name]
 
 
