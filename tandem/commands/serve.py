@@ -10,7 +10,8 @@ the registry, a plug-in included) with its settings (``inference.<engine>``), an
 ``torch`` engine) with its defaults. The engine runs in this process, driven by the server's event loop.
 
 ``--api sglang`` serves SGLang's native server API instead (``/generate`` with ``input_ids``, weight updates,
-pause, memory release: tandem/engines/inference/sglang/server.py, docs/sglang.md).
+pause, memory release: tandem/engines/inference/sglang/server.py, docs/sglang.md), from one engine or from
+the Ray replicas behind the router.
 """
 
 from __future__ import annotations
@@ -162,26 +163,10 @@ def run(args: argparse.Namespace) -> int:
     from tandem.rollout.server import create_app, serve_forever
 
     if args.api == "sglang":
-        if recipe_cfg is not None and recipe_cfg.runtime.placement == "ray":
-            raise ConfigError("--api sglang serves one engine in this process; runtime.placement: ray is not "
-                              "supported with it (start several `tandem serve --api sglang` and put sglang-router "
-                              "in front of them: docs/sglang.md)")
-        return _serve_sglang(args, entry, ec, model_name, api_key)
+        return _serve_sglang(args, entry, ec, model_name, api_key, recipe_cfg)
     from tandem.rollout.session import SessionStore
 
-    cluster = None
-    if recipe_cfg is not None and recipe_cfg.runtime.placement == "ray":  # replicas behind the router
-        from tandem.runtime.ray.placement import RayPlacement
-
-        gpus = entry.bundle_gpus(ec, recipe_cfg.ray.engine_gpus)
-        cluster = RayPlacement(recipe_cfg, engine_gpus=gpus, with_trainer=False)
-        cluster.start(trainer_spec=None, engine_spec=entry.spec(ec))
-        engine = cluster.router
-    else:
-        try:
-            engine = entry.spec(ec).build()
-        except ValueError as e:  # the engine refused its settings: a config error, not a crash
-            raise ConfigError(f"inference.engine {entry.name}: {e}") from e
+    engine, cluster = _build_engine(entry, ec, recipe_cfg)
     try:
         _load_adapters(engine, args.lora)
     except BaseException:
@@ -199,17 +184,32 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve_sglang(args: argparse.Namespace, entry, ec, model_name: str, api_key: str | None) -> int:
-    """``--api sglang``: the engine behind SGLang's native HTTP API (tandem/engines/inference/sglang/server.py)."""
+def _build_engine(entry, ec, recipe_cfg):
+    """``(engine, Ray cluster or None)``: the engine in this process, or with ``runtime.placement: ray`` in the
+    recipe, ``inference.replicas`` Ray actor replicas behind the router (which is then the engine)."""
     from tandem.config import ConfigError
+
+    if recipe_cfg is not None and recipe_cfg.runtime.placement == "ray":
+        from tandem.runtime.ray.placement import RayPlacement
+
+        gpus = entry.bundle_gpus(ec, recipe_cfg.ray.engine_gpus)
+        cluster = RayPlacement(recipe_cfg, engine_gpus=gpus, with_trainer=False)
+        cluster.start(trainer_spec=None, engine_spec=entry.spec(ec))
+        return cluster.router, cluster
+    try:
+        return entry.spec(ec).build(), None
+    except ValueError as e:  # the engine refused its settings: a config error, not a crash
+        raise ConfigError(f"inference.engine {entry.name}: {e}") from e
+
+
+def _serve_sglang(args: argparse.Namespace, entry, ec, model_name: str, api_key: str | None, recipe_cfg) -> int:
+    """``--api sglang``: the engine (or the Ray replicas' router) behind SGLang's native HTTP API
+    (tandem/engines/inference/sglang/server.py)."""
     from tandem.engines.inference.sglang.server import create_sglang_app, eos_token_ids
     from tandem.models import resolve_model
     from tandem.rollout.server import serve_forever
 
-    try:
-        engine = entry.spec(ec).build()
-    except ValueError as e:
-        raise ConfigError(f"inference.engine {entry.name}: {e}") from e
+    engine, cluster = _build_engine(entry, ec, recipe_cfg)
     try:
         _load_adapters(engine, args.lora)
         folder = resolve_model(model_name)
@@ -220,5 +220,5 @@ def _serve_sglang(args: argparse.Namespace, entry, ec, model_name: str, api_key:
               "(POST /generate)", flush=True)
         serve_forever(app, args.host, args.port)
     finally:
-        engine.close()
+        (cluster or engine).close()
     return 0

@@ -162,6 +162,45 @@ def test_tandem_serve_puts_ray_replicas_behind_the_router(cluster):
     assert all(n % 2 == 0 for n in served)
 
 
+@pytest.mark.slow
+@pytest.mark.ci
+def test_tandem_serve_speaks_sglangs_api_from_ray_replicas(cluster):
+    """--api sglang with runtime.placement: ray: the SGLang adapter drives both replicas through one server; a
+    weight update from disk reaches both (the completions after it carry the new version)."""
+    from tandem.core.protocols import GenerationRequest, SamplingParams
+    from tests.engines.sglang_helpers import adapter
+    from tests.serve_helpers import serving
+
+    with serving([str(RECIPE), "runtime.placement=ray", f"ray.address={cluster.address}", "inference.replicas=2",
+                  "ray.engine_resources={engine_node: 0.1}", "ray.torch_threads=1", "--api", "sglang"],
+                 timeout_s=180) as base:
+        engine = adapter(base, max_model_len=128)  # the recipe's context
+        try:
+            requests = [GenerationRequest(prompt_token_ids=[3 + i, 7, 9], sampling=SamplingParams(
+                n=2, temperature=1.0, max_new_tokens=4, seed=i)) for i in range(6)]
+            before = engine.generate(requests)
+            assert all(r.error is None and len(r.completions) == 2 for r in before)
+            from safetensors.torch import load_file
+
+            from tandem.models import resolve_model
+
+            weights = {}
+            for f in sorted(resolve_model("tiny-llama").glob("*.safetensors")):
+                weights |= load_file(str(f))
+            engine.update_weights(weights.items(), version=5)
+            after = engine.generate(requests)
+            assert all(c.weight_versions == [5] for r in after for c in r.completions)
+            health = engine.health()
+            assert health["weight_version"] == 5
+        finally:
+            engine.close()
+        import httpx2 as httpx
+
+        replicas = httpx.get(f"{base}/server_info").json()["internal_states"][0]["replicas"]
+    assert len(replicas) == 2 and all(r["served"] > 0 for r in replicas)
+    assert all(r["weight_version"] == 5 for r in replicas)
+
+
 def _alive(client) -> bool:
     try:
         client.health()

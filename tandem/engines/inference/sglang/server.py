@@ -25,7 +25,8 @@ SGLang's that this server does not implement is refused by name unless it holds 
 silently ignored. The engine runs on the serving event loop (``agenerate``), like the session server.
 Pause modes: ``abort`` aborts what is in flight and holds new requests until ``/continue_generation``;
 ``in_place`` holds running requests where they are, with their cache (no engine step runs; weight
-updates, aborts and health still do), and new ones at the door; ``retract`` (back to the waiting queue,
+updates, aborts and health still do), and new ones at the door (an engine without a hold, the Ray
+replicas' router, holds new ones only: running requests go on, and updates land between steps); ``retract`` (back to the waiting queue,
 cache dropped) is refused: the embedded engine does not retract.
 """
 
@@ -231,12 +232,13 @@ def _routes(app: FastAPI, st: _State) -> None:  # noqa: C901 - one flat list of 
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         obj = _fields(await _body(request), {"mode": "abort"}, "/pause_generation")
+        if obj["mode"] not in ("abort", "in_place"):
+            raise SGLangAPIError(f"/pause_generation: mode={obj['mode']!r} is not supported (the embedded engine "
+                                 "holds requests in place but does not retract them); use mode 'in_place' or 'abort'")
         if obj["mode"] == "in_place" and callable(getattr(engine, "pause_generation", None)):
             engine.pause_generation()  # running requests stay where they are, with their cache
-        elif obj["mode"] != "abort":
-            raise SGLangAPIError(f"/pause_generation: mode={obj['mode']!r} is not supported by this engine "
-                                 "(the embedded engine holds requests in place but does not retract them); "
-                                 "use mode 'in_place' or 'abort'")
+        # in_place on an engine without a hold (the Ray replicas' router): new requests wait at the door and
+        # running ones go on; each replica applies a weight update between two of its steps either way
         st.resumed.clear()
         st.pauses += 1
         if obj["mode"] == "abort":
