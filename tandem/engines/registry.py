@@ -105,6 +105,7 @@ class RunFacts:
     adapter_sync: bool = False  # sync.lora_mode == "adapter"
     delta_sync: bool = False  # sync.delta: updates hold only the tensors that changed
     verify_sync: bool = False  # sync.verify: the engine's weights are compared with the trainer's
+    speculative: Any = None  # rollout.speculative (a tandem.core.speculative.SpeculativeConfig) or None
     # from the trainer's config (TrainerFacts), for the inference side:
     routing_replay: bool = False  # the trainer replays the rollout's MoE routes: the engine must return them
     lora_rank: int | None = None  # the trainer trains LoRA adapters of this rank (None: full weights)

@@ -66,7 +66,7 @@ def run_facts(cfg: RunConfig) -> RunFacts:
         temperature=cfg.rollout.sampling.temperature or 1.0, mode=cfg.runtime.mode,
         placement=cfg.runtime.placement, needs_ref=alg.needs_ref, needs_critic=alg.needs_critic,
         recompute_log_probs=cfg.rollout.recompute_log_probs, adapter_sync=cfg.sync.lora_mode == "adapter",
-        delta_sync=cfg.sync.delta, verify_sync=cfg.sync.verify,
+        delta_sync=cfg.sync.delta, verify_sync=cfg.sync.verify, speculative=cfg.rollout.speculative,
     )
 
 

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from tandem.config import ConfigError, convert, from_dict, unknown_key
 from tandem.core.algorithm import AlgorithmConfig
+from tandem.core.speculative import SpeculativeConfig
 from tandem.engines.registry import EngineEntry, registry
 from tandem.models.registry import ModelConfig
 from tandem.plugins import PluginError
@@ -75,6 +76,8 @@ class RolloutConfig:
     load_dump: str | None = None  # debug: train on the dumped samples of that folder, no generation
     agent: AgentConfig = field(default_factory=AgentConfig)  # multi_turn / agentic_tool_call settings
     recompute_log_probs: bool = False  # replace rollout log-probs by an engine prefill pass (engine.score)
+    # speculative decoding in the inference engine (same samples' distribution, same log-probs); None: off
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1:

@@ -482,6 +482,24 @@ class Run:
 
     # -- bookkeeping ----------------------------------------------------------------------------------
 
+    def _speculation_metrics(self) -> dict[str, float]:
+        """With ``rollout.speculative``: this step's acceptance rate, mean accepted draft tokens and tokens per
+        target pass, from the engine's counters (since the last step)."""
+        if self.cfg.rollout.speculative is None:
+            return {}
+        health = self.engine.health()
+        now = {k: float(health.get(f"spec_{k}") or 0) for k in ("passes", "drafted", "accepted", "emitted")}
+        last, self._spec_counts = getattr(self, "_spec_counts", dict.fromkeys(now, 0.0)), now
+        d = {k: now[k] - last[k] for k in now}
+        out = {"rollout/spec_passes": d["passes"],
+               "rollout/spec_acceptance_rate": d["accepted"] / d["drafted"] if d["drafted"] else 0.0,
+               "rollout/spec_mean_accepted": d["accepted"] / d["passes"] if d["passes"] else 0.0,
+               "rollout/spec_tokens_per_pass": d["emitted"] / d["passes"] if d["passes"] else 0.0}
+        for key in ("spec_head_loss", "spec_head_token_accuracy"):  # drafter: draft_head (its last training)
+            if isinstance(health.get(key), int | float):
+                out[f"rollout/{key}"] = float(health[key])
+        return out
+
     def _finish_step(self, step: int, metrics: dict[str, float], samples: Sequence[Sample], t0: float, *,
                      defer_save: bool = False, data: dict[str, Any] | None = None) -> None:
         """Log, count, checkpoint when due (``defer_save``: one-step-off saves once the rollout in flight is
@@ -491,6 +509,7 @@ class Run:
         self._completed = self._state(data=data)
         if self.cluster is not None:
             metrics |= self.cluster.metrics()
+        metrics |= self._speculation_metrics()
         metrics["time/step_s"] = time.perf_counter() - t0
         metrics |= process_metrics()
         self.tracker.log(step, metrics)

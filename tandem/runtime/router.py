@@ -53,7 +53,8 @@ log = logging.getLogger(__name__)
 
 _WAIT_POLL_S = 0.005  # how often a request waiting for an eligible replica looks again
 _MONITOR_IDLE_S = 0.5  # the monitor's longest sleep (it also wakes on quarantine, min_version, waiting)
-_HEALTH_TOTALS = ("running", "waiting", "generated_tokens", "prompt_tokens_computed", "steps")
+_HEALTH_TOTALS = ("running", "waiting", "generated_tokens", "prompt_tokens_computed", "steps", "spec_passes",
+                  "spec_drafted", "spec_accepted", "spec_emitted")
 
 
 @dataclass(kw_only=True, slots=True)

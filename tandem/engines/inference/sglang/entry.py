@@ -19,6 +19,15 @@ def fill(facts: RunFacts, config: Any):
     ec, changes = run_section(config, SGLangEngineConfig, facts)
     changes["max_model_len"] = min(ec.max_model_len, facts.max_context)
     changes |= adapter_changes(facts, ec)
+    spec = facts.speculative
+    if spec is not None and not ec.urls:  # servers the adapter launches; running servers have their own
+        if ec.launch == "embedded":
+            changes["server_args"] = {"speculative": {"drafter": spec.drafter, "k": spec.k, "adaptive": spec.adaptive,
+                                                      "ngram_max": spec.ngram_max, "ngram_min": spec.ngram_min},
+                                      **ec.server_args}
+        elif "speculative_algorithm" not in ec.server_args:  # SGLang's n-gram speculation
+            changes["server_args"] = {**ec.server_args, "speculative_algorithm": "NGRAM",
+                                      "speculative_num_draft_tokens": spec.k}
     return dataclasses.replace(ec, **changes)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from tandem.core.speculative import SpeculativeConfig
 from tandem.kernels.config import QuantConfig
 from tandem.models.registry import ModelConfig
 
@@ -45,6 +46,9 @@ class TorchEngineConfig:
     lora_alpha: float | None = None
     lora_max_rank: int = 64
     max_loras: int = 4  # adapters loaded at once (requests choose one by name)
+    # speculative decoding (engines/inference/torch/speculative.py): same samples' distribution, same
+    # log-probs, fewer target passes when drafts are accepted; None: off (a run's rollout.speculative fills it)
+    speculative: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -54,6 +54,13 @@ from tandem.engines.inference.torch.kv_cache import KVCache, StepAttention
 from tandem.engines.inference.torch.lora import AdapterMethods, ServedAdapters
 from tandem.engines.inference.torch.sampling import RowSampler, sample_tokens
 from tandem.engines.inference.torch.scheduler import Phase, RequestState, Scheduler, StepPlan
+from tandem.engines.inference.torch.scoring import ScoringMethods
+from tandem.engines.inference.torch.speculative import (
+    SpecStats,
+    apply_verification,
+    draft_for_verification,
+    make_drafter,
+)
 from tandem.kernels.load import DequantizeOnLoad
 from tandem.kernels.state_dict import find_quantized
 from tandem.models.attention import MoERouting
@@ -78,7 +85,7 @@ def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
         target.copy_(src)
 
 
-class TorchEngine(AdapterMethods):
+class TorchEngine(AdapterMethods, ScoringMethods):
     """Batched generation with a KV cache, log-probs, live weight updates, LoRA adapters served unmerged
     (`tandem.engines.inference.torch.lora`) and a batch-invariant mode."""
 
@@ -131,6 +138,8 @@ class TorchEngine(AdapterMethods):
         self._seed_rng = random.Random(config.seed)
         self._sleeping = False
         self._paused = False  # pause_generation: no step runs, sequences keep their place and cache
+        self._drafter = make_drafter(self.model, config.speculative) if config.speculative is not None else None
+        self._spec_stats = SpecStats()
         self._stats = {"steps": 0, "prompt_tokens_computed": 0, "generated_tokens": 0, "step_seconds": 0.0}
         self._last_error: str | None = None
         self._inflight: set[str] = set()
@@ -263,6 +272,7 @@ class TorchEngine(AdapterMethods):
                 self.adapters.remove(self._policy_adapter)
                 self._policy_adapter = None
             self._version = int(version)
+            self.train_drafter()  # the draft head learns from the rollouts of the weights before
 
     def _incoming(self, items: list, version: int) -> list:
         """``items`` with quantized tensors + companions dequantized (needs ``quantization``)."""
@@ -275,62 +285,6 @@ class TorchEngine(AdapterMethods):
         except ValueError as e:
             raise ValueError(f"update_weights(version={version}) rejected, weights untouched: {e}") from e
         return items
-
-    def score(
-        self, sequences: SequenceABC[tuple[SequenceABC[int], int]], *, temperature: float = 1.0,
-        max_tokens: int = 8192,
-    ) -> list[list[float]]:
-        """Teacher-forced log-probs of each sequence's tokens after its prompt: a prefill pass, no cache.
-
-        ``sequences`` are ``(token_ids, prompt_length)`` pairs (``prompt_length >= 1``); the result holds,
-        per sequence, the log-probs of ``token_ids[prompt_length:]`` under ``log_softmax(logits / T)``,
-        the formula generation uses. In deterministic mode they equal the log-probs returned when the
-        tokens were generated, bit for bit; otherwise they are the prefill-path values (the loop's
-        ``rollout.recompute_log_probs``). Runs between two steps, ``max_tokens`` tokens per forward.
-        """
-        from tandem.models.logprobs import logprobs_from_hidden
-        from tandem.ops.batch_invariant import packed_attention
-
-        items = [(list(map(int, ids)), int(p)) for ids, p in sequences]
-        for i, (ids, p) in enumerate(items):
-            if not 1 <= p <= len(ids):
-                raise ValueError(f"score: sequence {i} has prompt_length={p}; must be in [1, {len(ids)}]")
-            if len(ids) > self.model.args.max_position_embeddings:
-                raise ValueError(f"score: sequence {i} has {len(ids)} tokens, more than the model's context "
-                                 f"{self.model.args.max_position_embeddings}")
-        device = self.cache.device
-        out: list[list[float]] = [[] for _ in items]
-        with self._between_steps():
-            numerics = (batch_invariant_mode(packed=self._packed) if self.config.deterministic
-                        else fast_linear_mode(packed=self._packed))
-            with torch.inference_mode(), numerics:
-                start = 0
-                while start < len(items):
-                    end, total = start, 0
-                    while end < len(items) and (end == start or total + len(items[end][0]) <= max_tokens):
-                        total += len(items[end][0])
-                        end += 1
-                    chunk = items[start:end]
-                    lengths = torch.tensor([len(ids) for ids, _ in chunk], device=device)
-                    cu = F.pad(torch.cumsum(lengths, 0), (1, 0))
-                    flat = torch.tensor([t for ids, _ in chunk for t in ids], device=device)
-                    positions = torch.cat([torch.arange(n, device=device) for n in lengths.tolist()])
-                    with self.adapters.rows([self._policy_adapter] * len(flat) if self._policy_adapter else [],
-                                            device):
-                        hidden = self.model(flat, positions, packed_attention(cu))
-                    rows, targets, owner = [], [], []
-                    for k, (ids, p) in enumerate(chunk):
-                        base = int(cu[k])
-                        rows += range(base + p - 1, base + len(ids) - 1)
-                        targets += ids[p:]
-                        owner += [k] * (len(ids) - p)
-                    if rows:
-                        lp = logprobs_from_hidden(hidden[torch.tensor(rows, device=device)], self.model.lm_head.weight,
-                                                  torch.tensor(targets, device=device), temperature).tolist()
-                        for k, v in zip(owner, lp, strict=True):
-                            out[start + k].append(v)
-                    start = end
-        return out
 
     def sleep(self) -> None:
         """Free the KV cache for a colocated trainer. Requests must be finished or aborted first."""
@@ -351,6 +305,12 @@ class TorchEngine(AdapterMethods):
             self.cache.allocate()
             self._pack()
             self._sleeping = False
+
+    def train_drafter(self) -> dict[str, float]:
+        """Train the draft head (``speculative.drafter: draft_head``) on the rollouts since its last training;
+        runs at every weight update. Its loss and counters (also in `health`); {} for other drafters."""
+        train = getattr(self._drafter, "train", None)
+        return train() if train is not None else {}
 
     def pause_generation(self) -> None:
         """Hold every request where it is (SGLang's in-place pause): no step runs until
@@ -384,6 +344,7 @@ class TorchEngine(AdapterMethods):
             "device": str(self.cache.device),
             "last_error": self._last_error,
             **self._stats,
+            **(self._spec_stats.as_dict() | self._drafter.stats if self._drafter is not None else {}),
         }
 
     # -- lifecycle ---------------------------------------------------------------------------------------
@@ -529,17 +490,22 @@ class TorchEngine(AdapterMethods):
         start = time.perf_counter()
         for src, dst, length in plan.copies:
             self.cache.copy_prefix(src, dst, length)
+        if self._drafter is not None:
+            draft_for_verification(plan, self._drafter, self.config)
         ids = [s.token_at(s.length - 1) for s in plan.decode]
         positions = [s.length - 1 for s in plan.decode]
         for seq, chunk in plan.prefill:
             ids += seq.request.prompt[chunk.start : chunk.start + chunk.count]
+            positions += range(chunk.start, chunk.start + chunk.count)
+        for seq, chunk, draft in plan.verify:
+            ids += [seq.token_at(chunk.start), *draft]
             positions += range(chunk.start, chunk.start + chunk.count)
         device = self.cache.device
         ctx = StepAttention(
             self.cache,
             [s.slot for s in plan.decode],
             [s.length for s in plan.decode],
-            [chunk for _, chunk in plan.prefill],
+            [chunk for _, chunk in plan.prefill] + [chunk for _, chunk, _ in plan.verify],
             deterministic=self.config.deterministic,
         )
         wants_routing = any(s.request.params.return_routed_experts for s in plan.sequences)
@@ -568,16 +534,24 @@ class TorchEngine(AdapterMethods):
                 seq.phase = Phase.DECODE
         for seq in plan.decode:
             seq.num_cached += 1
-        if routing is not None:
-            self._record_routing(plan, routing.recorded().cpu().numpy())
-        if rows:
+        recorded = routing.recorded().cpu().numpy() if routing is not None else None
+        if recorded is not None:
+            self._record_routing(plan, recorded)
+        verify_rows = list(range(offset, offset + sum(c.count for _, c, _ in plan.verify)))
+        if rows or verify_rows:
             # the vocabulary projection exactly as models/logprobs.py computes it (F.linear, then float32)
-            logits = F.linear(hidden[torch.tensor(rows, device=device)], self.model.lm_head.weight).float()
-            tokens, log_probs = sample_tokens(logits, samplers)
-            self._append(sampling, tokens.tolist(), log_probs.tolist())
+            picked = torch.tensor(rows + verify_rows, device=device)
+            logits = F.linear(hidden[picked], self.model.lm_head.weight).float()
+            if rows:
+                tokens, log_probs = sample_tokens(logits[: len(rows)], samplers)
+                if self._drafter is not None:
+                    self._drafter.observe_rows(sampling, hidden[picked[: len(rows)]], tokens.tolist())
+                self._append(sampling, tokens.tolist(), log_probs.tolist())
+            if verify_rows:
+                emitted = apply_verification(self, plan, logits[len(rows):], hidden, recorded, offset)
         self._stats["steps"] += 1
         self._stats["prompt_tokens_computed"] += sum(c.count for _, c in plan.prefill)
-        self._stats["generated_tokens"] += len(rows)
+        self._stats["generated_tokens"] += len(rows) + (emitted if verify_rows else 0)
         self._stats["step_seconds"] += time.perf_counter() - start
 
     def _record_routing(self, plan: StepPlan, recorded: np.ndarray) -> None:
@@ -594,6 +568,8 @@ class TorchEngine(AdapterMethods):
     def _append(self, sequences, tokens: list[int], log_probs: list[float]) -> None:
         version = self._version
         for seq, token, log_prob in zip(sequences, tokens, log_probs, strict=True):
+            if seq.phase is Phase.DONE:  # a speculated token past a stop token or a length limit
+                continue
             seq.output.append(token)
             seq.log_probs.append(log_prob)
             if not seq.versions or seq.versions[-1] != version:

@@ -19,6 +19,8 @@ def fill(facts: RunFacts, config: Any):
     ec, changes = run_section(config, TorchEngineConfig, facts)
     changes["max_model_len"] = min(ec.max_model_len, facts.max_context)
     changes |= adapter_changes(facts, ec)
+    if facts.speculative is not None and ec.speculative is None:
+        changes["speculative"] = facts.speculative  # rollout.speculative, unless inference.torch sets its own
     if facts.adapter_sync and facts.lora_base_quantization is not None and ec.quantization is None:
         changes["quantization"] = facts.lora_base_quantization  # QLoRA: serve the trainer's base bits
     return dataclasses.replace(ec, **changes)

@@ -218,6 +218,7 @@ class AdapterMethods:
             self.adapters.add(adapter)
             self._policy_adapter = self.POLICY
             self._version = int(version)
+            self.train_drafter()
 
     def add_lora_adapter(self, name: str, source, *, alpha: float | None = None) -> None:
         """Serve another adapter under ``name`` (requests pick it with ``lora=name``): a peft adapter folder
@@ -281,6 +282,6 @@ class AdapterMethods:
         if not self.adapters.adapters:
             return None
         names = [self._adapter_of(s.request.request) for s in plan.decode]
-        for seq, chunk in plan.prefill:
+        for seq, chunk in [*plan.prefill, *((s, c) for s, c, _ in plan.verify)]:
             names += [self._adapter_of(seq.request.request)] * chunk.count
         return names

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from tandem.engines.inference.common import derive_seed
 
-__all__ = ["RowSampler", "derive_seed", "sample_tokens"]
+__all__ = ["RowSampler", "derive_seed", "filtered_probs", "inverse_cdf", "sample_tokens", "scale_logits",
+           "token_log_probs"]
 
 @dataclass(slots=True)
 class RowSampler:
@@ -42,13 +43,7 @@ class RowSampler:
 def sample_tokens(logits: torch.Tensor, rows: list[RowSampler]) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits [R, V]`` float32 -> ``tokens [R]`` int64 and their ``log_probs [R]`` float32."""
     num_rows, vocab = logits.shape
-    temps = [1.0 if r.greedy else float(r.temperature) for r in rows]
-    if all(t == 1.0 for t in temps):
-        scaled = logits
-    else:
-        # division by a per-row column gives the same bits as the trainer's division by a scalar
-        scaled = logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
-    lse = torch.logsumexp(scaled, dim=-1)
+    scaled = scale_logits(logits, rows)
     greedy = [i for i, r in enumerate(rows) if r.greedy]
     if len(greedy) == num_rows:
         tokens = logits.argmax(dim=-1)
@@ -60,12 +55,34 @@ def sample_tokens(logits: torch.Tensor, rows: list[RowSampler]) -> tuple[torch.T
         g_idx, r_idx = torch.tensor(greedy, device=logits.device), torch.tensor(random, device=logits.device)
         tokens[g_idx] = logits[g_idx].argmax(dim=-1)
         tokens[r_idx] = _draw(scaled[r_idx], [rows[i] for i in random], vocab)
-    log_probs = scaled.gather(-1, tokens[:, None]).squeeze(-1) - lse
-    return tokens, log_probs
+    return tokens, token_log_probs(scaled, tokens)
+
+
+def scale_logits(logits: torch.Tensor, rows: list[RowSampler]) -> torch.Tensor:
+    """``logits / T`` per row (``T = 1`` for greedy rows): the log-prob convention's scaling."""
+    temps = [1.0 if r.greedy else float(r.temperature) for r in rows]
+    if all(t == 1.0 for t in temps):
+        return logits
+    # division by a per-row column gives the same bits as the trainer's division by a scalar
+    return logits / torch.tensor(temps, dtype=logits.dtype, device=logits.device)[:, None]
+
+
+def token_log_probs(scaled: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(scaled)`` at ``tokens``, with the operations of `tandem.models.logprobs`."""
+    lse = torch.logsumexp(scaled, dim=-1)
+    return scaled.gather(-1, tokens[:, None]).squeeze(-1) - lse
 
 
 def _draw(scaled: torch.Tensor, rows: list[RowSampler], vocab: int) -> torch.Tensor:
     """Inverse-CDF draw per row from ``softmax(scaled)`` restricted by top-k / top-p."""
+    probs = filtered_probs(scaled, rows, vocab)
+    uniforms = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows])
+    return inverse_cdf(probs, uniforms.to(probs.device))
+
+
+def filtered_probs(scaled: torch.Tensor, rows: list[RowSampler], vocab: int) -> torch.Tensor:
+    """``softmax(scaled)`` with what top-k / top-p exclude set to 0 (not renormalised): the sampling
+    distribution of each row up to its total."""
     probs = torch.softmax(scaled, dim=-1)  # [R, V]
     top_k = [r.top_k if 0 < r.top_k < vocab else 0 for r in rows]
     if any(top_k):
@@ -85,11 +102,10 @@ def _draw(scaled: torch.Tensor, rows: list[RowSampler], vocab: int) -> torch.Ten
         keep = (cum - sorted_probs) < p * total
         threshold = torch.where(keep, sorted_probs, torch.inf).min(dim=-1, keepdim=True).values
         probs = torch.where(probs < threshold, 0.0, probs)
-    uniforms = torch.cat([torch.rand(1, generator=r.generator, dtype=torch.float64) for r in rows])
-    return _inverse_cdf(probs, uniforms.to(probs.device))
+    return probs
 
 
-def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int = 256) -> torch.Tensor:
+def inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor, block: int = 256) -> torch.Tensor:
     """Token ``t`` per row with ``CDF(t - 1) <= u * total < CDF(t)``, in two levels.
 
     A full-vocabulary float64 CDF would allocate ``R x V`` doubles every step; instead the draw first

@@ -60,6 +60,10 @@ class Sequence:
     versions: list[int] = field(default_factory=list)
     routing: list[np.ndarray] = field(default_factory=list)  # own rows from position P - 1 on
     finish_reason: FinishReason | None = None
+    spec_k: int = 0  # speculative decoding: draft tokens of the next verification (0: the configured k)
+    spec_hidden: list = field(default_factory=list)  # draft head: (hidden rows, tokens) it produced
+    spec_last: object = None  # draft head: the hidden row that produced the newest token
+    spec_q: object = None  # the draft's sampling distributions [k, V] (None: point masses)
 
     @property
     def length(self) -> int:
@@ -116,10 +120,13 @@ class StepPlan:
     decode: list[Sequence]  # ascending slot
     prefill: list[tuple[Sequence, PrefillChunk]]
     copies: list[tuple[int, int, int]]  # (src_slot, dst_slot, length) to run before the forward
+    # speculative decoding (the engine moves drafted sequences here from ``decode``): each verifies its
+    # draft as a chunk of its last token + the draft
+    verify: list[tuple[Sequence, PrefillChunk, list[int]]] = field(default_factory=list)
 
     @property
     def sequences(self) -> list[Sequence]:
-        return self.decode + [s for s, _ in self.prefill]
+        return self.decode + [s for s, _ in self.prefill] + [s for s, _, _ in self.verify]
 
 
 class Scheduler:

@@ -18,6 +18,11 @@ def fill(facts: RunFacts, config: Any):
     ec, changes = run_section(config, VLLMEngineConfig, facts)
     changes["max_model_len"] = min(ec.max_model_len, facts.max_context)
     changes |= adapter_changes(facts, ec)
+    spec = facts.speculative
+    if spec is not None and "speculative_config" not in ec.engine_kwargs:  # vLLM's n-gram prompt lookup
+        changes["engine_kwargs"] = {**ec.engine_kwargs, "speculative_config": {
+            "method": "ngram", "num_speculative_tokens": spec.k, "prompt_lookup_max": spec.ngram_max,
+            "prompt_lookup_min": spec.ngram_min}}
     return dataclasses.replace(ec, **changes)
 
 
