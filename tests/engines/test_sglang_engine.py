@@ -143,14 +143,20 @@ def test_broadcast_weight_updates_reach_the_server(case, server):
     engine.update_weights(case.checkpoint().items(), version=v + 5)
 
 
-def test_pause_aborts_running_requests_and_holds_new_ones_until_continue(case):
-    engine = case.engine
-    long_ = requests(prompts([6], seed=3), temperature=1.0, max_new_tokens=200, seed=2)[0]
+def _generating(engine, prompt: list[int], max_new_tokens: int, *, seed: int) -> tuple[dict, threading.Thread]:
+    """A long request generating in a thread (``out["long"]`` once it returns), past its first 10 tokens."""
     out: dict = {}
+    [request] = requests([prompt], temperature=1.0, max_new_tokens=max_new_tokens, seed=seed)
     start = engine.health()["generated_tokens"]
-    thread = threading.Thread(target=lambda: out.update(long=engine.generate([long_])[0]))
+    thread = threading.Thread(target=lambda: out.update(long=engine.generate([request])[0]))
     thread.start()
     wait_until(lambda: engine.health()["generated_tokens"] >= start + 10)
+    return out, thread
+
+
+def test_pause_aborts_running_requests_and_holds_new_ones_until_continue(case):
+    engine = case.engine
+    out, thread = _generating(engine, prompts([6], seed=3)[0], 200, seed=2)
     engine.pause_generation()
     thread.join(timeout=60)
     assert out["long"].completions[0].finish_reason == FinishReason.ABORT
@@ -169,12 +175,7 @@ def test_in_place_pause_holds_running_requests_with_their_cache_until_continue(c
     """mode in_place: a running request makes no progress while paused and finishes after continue,
     with the tokens it had (no abort, no recompute); new requests wait at the door."""
     engine = case.engine
-    long_ = requests(prompts([6], seed=4), temperature=1.0, max_new_tokens=120, seed=5)[0]
-    out: dict = {}
-    start = engine.health()["generated_tokens"]
-    thread = threading.Thread(target=lambda: out.update(long=engine.generate([long_])[0]))
-    thread.start()
-    wait_until(lambda: engine.health()["generated_tokens"] >= start + 10)
+    out, thread = _generating(engine, prompts([6], seed=4)[0], 120, seed=5)
     engine.pause_generation("in_place")
     try:
         held_at = engine.health()["generated_tokens"]
@@ -194,12 +195,7 @@ def test_weight_updates_pause_the_servers_in_place_and_in_flight_requests_contin
     engine = case.engine
     pauses = httpx.get(f"{server}/get_server_info", timeout=10).json()["tandem"]["pauses"]
     v = engine.weight_version
-    long_ = requests(prompts([7], seed=6), temperature=1.0, max_new_tokens=150, seed=7)[0]
-    out: dict = {}
-    start = engine.health()["generated_tokens"]
-    thread = threading.Thread(target=lambda: out.update(long=engine.generate([long_])[0]))
-    thread.start()
-    wait_until(lambda: engine.health()["generated_tokens"] >= start + 10)
+    out, thread = _generating(engine, prompts([7], seed=6)[0], 150, seed=7)
     engine.update_weights(case.checkpoint().items(), version=v + 1)
     thread.join(timeout=60)
     c = out["long"].completions[0]

@@ -61,9 +61,10 @@ def embedded_recipe(config: SGLangEngineConfig, folder: Path) -> Path:
 
     import yaml
 
-    from tandem.engines.inference.torch.config import TorchEngineConfig
+    from tandem.engines.registry import INFERENCE_ENGINES
 
-    known = {f.name for f in dataclasses.fields(TorchEngineConfig)} - {"model"}
+    # the embedded engine's settings, through the registry (an adapter does not import another adapter)
+    known = {f.name for f in dataclasses.fields(INFERENCE_ENGINES.get("torch").config_class())} - {"model"}
     unknown = sorted(set(config.server_args) - known)
     if unknown:
         raise ValueError(f"server_args[{unknown[0]!r}] is not a setting of the embedded engine (launch: embedded "
