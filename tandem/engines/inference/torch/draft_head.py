@@ -62,6 +62,8 @@ class DraftHead(nn.Module):
 class HeadDrafter:
     """Collects the engine's hidden states, trains the `DraftHead`, and drafts for a batch of sequences."""
 
+    needs_hidden = True
+
     def __init__(self, model, config: SpeculativeConfig) -> None:
         self.model, self.config = model, config
         self.head: DraftHead | None = None

@@ -544,7 +544,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             logits = F.linear(hidden[picked], self.model.lm_head.weight).float()
             if rows:
                 tokens, log_probs = sample_tokens(logits[: len(rows)], samplers)
-                if self._drafter is not None:
+                if self._drafter is not None and self._drafter.needs_hidden:
                     self._drafter.observe_rows(sampling, hidden[picked[: len(rows)]], tokens.tolist())
                 self._append(sampling, tokens.tolist(), log_probs.tolist())
             if verify_rows:

@@ -52,6 +52,7 @@ class NgramDrafter:
     (``n`` from ``ngram_max`` down to ``ngram_min``), searched in its prompt and its output so far."""
 
     stats: dict[str, float] = {}
+    needs_hidden = False  # the engine skips gathering hidden rows for it
 
     def __init__(self, config: SpeculativeConfig) -> None:
         self.max_n, self.min_n = config.ngram_max, config.ngram_min
