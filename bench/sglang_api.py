@@ -72,13 +72,7 @@ def server(model: str, args: argparse.Namespace, threads: int | None):
     proc = subprocess.Popen([sys.executable, "-m", "tandem", "serve", model, "--api", "sglang", "--port", str(port),
                              "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(args.prompts * args.n)],
                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_for(url, proc)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    yield from _up(proc, port)
 
 
 @contextlib.contextmanager
@@ -87,13 +81,18 @@ def router(workers: list[str], policy: str = "cache_aware"):
     proc = subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *workers,
                              "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()), "--policy", policy, "--log-level",
                              "error"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    yield from _up(proc, port)
+
+
+def _up(proc: subprocess.Popen, port: int):
+    """Yield the process's base URL once it answers; stop it afterwards."""
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(url, proc)
         yield url
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=60)
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[GenerationRequest]:
