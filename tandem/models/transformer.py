@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.attention import AttentionContext, MoERouting
-from tandem.models.logprobs import token_logprobs
+from tandem.models.logprobs import TiedGrad, tied_embedding, token_logprobs
 
 __all__ = ["CausalLM", "TransformerArgs", "UnsupportedModelError", "SUPPORTED_MODEL_TYPES"]
 
@@ -310,14 +310,20 @@ class CausalLM(nn.Module):
         temperature: float = 1.0,
         with_entropy: bool = False,
         logprob_chunk: int = 1024,
+        tied_grad: TiedGrad | None = None,
     ):
         """``input_ids, positions [N]`` -> final-norm hidden states ``[N, hidden]``.
 
         With ``targets [N]`` it returns ``(log_probs [N], entropy [N] | None)`` of those tokens under
         ``softmax(logits / temperature)`` instead, computed chunk by chunk (models/logprobs.py). Doing
         it inside ``forward`` lets FSDP see the vocabulary projection as part of the root module.
+        ``tied_grad`` (from `tied_grad_slot`, passed on to ``token_logprobs`` by a caller that projects the
+        hidden states itself): the tied weight's gradient is built in one buffer (models/logprobs.py).
         """
-        x = self.model.embed_tokens(input_ids)
+        if targets is not None and tied_grad is None:
+            tied_grad = self.tied_grad_slot()
+        embed = self.model.embed_tokens
+        x = embed(input_ids) if tied_grad is None else tied_embedding(input_ids, embed.weight, tied_grad)
         cos, sin = self.model.rotary_emb(positions, x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, ctx, routing)
@@ -331,7 +337,18 @@ class CausalLM(nn.Module):
             temperature=temperature,
             chunk_size=logprob_chunk,
             with_entropy=with_entropy,
+            tied_grad=tied_grad,
         )
+
+    def tied_grad_slot(self) -> TiedGrad | None:
+        """A `TiedGrad` for one forward when the input embedding is the output projection's weight and
+        needs a gradient (None otherwise): the backward then keeps one dense gradient of it, not three."""
+        embed = self.model.embed_tokens
+        if (type(embed) is nn.Embedding and embed.weight is self.lm_head.weight and embed.weight.requires_grad
+                and torch.is_grad_enabled() and embed.padding_idx is None and embed.max_norm is None
+                and not embed.scale_grad_by_freq and not embed.sparse):
+            return TiedGrad()
+        return None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden]`` -> ``[N, vocab]`` in float32 (small ``N`` only; see models/logprobs.py)."""

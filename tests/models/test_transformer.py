@@ -148,3 +148,47 @@ def test_smollm2_native_matches_hf():
         got = nat.logits(nat(flat, pos, ctx))
     torch.testing.assert_close(got[:40], ref[0], rtol=0, atol=1e-4)
     torch.testing.assert_close(got[40:], ref[1, :25], rtol=0, atol=1e-4)
+
+
+def _tied_peak_grad_bytes(model, flat, pos, ctx, targets, use_slot: bool) -> tuple[int, torch.Tensor]:
+    """Peak bytes of gradient/temporary tensors during backward (torch's MemTracker), and the tied grad."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model.zero_grad(set_to_none=True)
+    tracker = MemTracker()
+    tracker.track_external(model)
+    with tracker:
+        if use_slot:
+            lp, _ = model(flat, pos, ctx, targets=targets, logprob_chunk=8)
+        else:  # the same math without the slot: hidden states, then the chunked projection
+            lp, _ = token_logprobs(model(flat, pos, ctx), model.lm_head.weight, targets, chunk_size=8)
+        (-lp.sum()).backward()
+    snap = next(iter(tracker.get_tracker_snapshot("peak").values()))
+    grads = sum(int(v) for k, v in snap.items() if str(getattr(k, "value", k)) in ("Gradient", "Temp"))
+    return grads, model.model.embed_tokens.weight.grad.clone()
+
+
+def test_tied_embedding_gradient_is_built_in_one_buffer():
+    """SmolLM2's embedding is its output projection: the backward must not hold the projection's dense
+    gradient, the embedding's dense gradient and their sum at once (3 x 108 MiB there), and the gradient
+    must be the same as autograd's."""
+    import dataclasses
+
+    base = CausalLM.from_pretrained(resolve_model("tiny-llama")).args
+    torch.manual_seed(0)
+    model = CausalLM(dataclasses.replace(base, vocab_size=8192, num_layers=1))
+    assert model.args.tie_word_embeddings
+    assert model.tied_grad_slot() is not None
+    ids = torch.randint(0, 8192, (40,))
+    flat, pos, ctx = _packed([ids[:25], ids[25:]])
+    targets = torch.roll(flat, -1)
+    plain_bytes, plain_grad = _tied_peak_grad_bytes(model, flat, pos, ctx, targets, use_slot=False)
+    slot_bytes, slot_grad = _tied_peak_grad_bytes(model, flat, pos, ctx, targets, use_slot=True)
+    torch.testing.assert_close(slot_grad, plain_grad, rtol=0, atol=1e-6)
+    weight_bytes = 8192 * 64 * 4
+    assert plain_bytes >= 2.5 * weight_bytes  # autograd: projection grad + embedding grad + their sum
+    assert slot_bytes <= plain_bytes - weight_bytes, (slot_bytes / weight_bytes, plain_bytes / weight_bytes)
+    with torch.no_grad():
+        assert model.tied_grad_slot() is None  # no gradient, no slot
+    model.model.embed_tokens.weight.requires_grad_(False)
+    assert model.tied_grad_slot() is None

@@ -23,7 +23,7 @@ from tandem.engines.training.common import MicroBatch
 from tandem.kernels.config import QuantConfig
 from tandem.kernels.qat import apply_qat, qat_targets
 from tandem.models.attention import MoERouting
-from tandem.models.logprobs import token_logprobs
+from tandem.models.logprobs import TiedGrad, token_logprobs
 from tandem.models.registry import ModelConfig, resolve_model
 from tandem.models.transformer import CausalLM, UnsupportedModelError
 from tandem.ops.batch_invariant import packed_attention
@@ -99,10 +99,11 @@ def decoder_layers(lm: nn.Module, native: bool) -> list[nn.Module]:
     return layers
 
 
-def _hidden(lm: nn.Module, native: bool, mb: MicroBatch, routing: MoERouting | None) -> torch.Tensor:
+def _hidden(lm: nn.Module, native: bool, mb: MicroBatch, routing: MoERouting | None,
+            tied_grad: TiedGrad | None = None) -> torch.Tensor:
     """Final-norm hidden states of every fed token, flattened ``[N or b*L, H]``."""
     if native:  # invariant attention inside batch_invariant_mode (deterministic), varlen SDPA outside
-        return lm(mb.input_ids, mb.positions, packed_attention(mb.cu_seqlens), routing)
+        return lm(mb.input_ids, mb.positions, packed_attention(mb.cu_seqlens), routing, tied_grad=tied_grad)
     out = lm.base_model(
         input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.positions, use_cache=False
     )
@@ -136,7 +137,8 @@ class PolicyModel(nn.Module):
         Only the ``M`` predicting positions go through the vocabulary projection (prompt positions
         would be wasted work), chunk by chunk with a recomputing backward (models/logprobs.py).
         """
-        hidden = _hidden(self.lm, self.native, mb, routing)
+        tied = self.lm.tied_grad_slot() if self.native else None  # one dense gradient of a tied embedding
+        hidden = _hidden(self.lm, self.native, mb, routing, tied)
         return token_logprobs(
             hidden[mb.select],
             self.output_weight(),
@@ -144,6 +146,7 @@ class PolicyModel(nn.Module):
             temperature=temperature,
             chunk_size=chunk,
             with_entropy=with_entropy,
+            tied_grad=tied,
         )
 
 
