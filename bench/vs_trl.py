@@ -1,15 +1,43 @@
-"""Tandem vs TRL's GRPOTrainer on the same GRPO job, in one run (CPU, SmolLM2-135M-Instruct).
+"""Tandem vs TRL's GRPOTrainer on the same GRPO job, step by step in turn (CPU, SmolLM2-135M-Instruct).
 
-Both sides get the same model (fp32), prompts (the synthetic addition task through the chat
-template), group size, prompts per step, max new tokens, temperature, learning rate, no KL term and
-one optimizer step per generation batch. Reported:
+Both sides get the same model (fp32), the same prompts in the same order (the synthetic addition task
+through the chat template: TRL's dataset is the list Tandem's data source hands out, in Tandem's order,
+with ``shuffle_dataset=False``; the first prompt's token ids of every step are compared and reported as
+``same_prompts``), group size, prompts per step, max new tokens, temperature 1, learning rate, no KL term,
+one optimizer step per generation batch, and the same activation-checkpointing setting (TRL's
+``gradient_checkpointing``, Tandem's ``trainer.fsdp.parallel.activation_checkpointing``), measured both
+off (Tandem's default, the headline) and on (TRL's default).
 
-* seconds per step (median of the timed steps, after warm-up steps) for TRL and for Tandem (sync
-  mode), and ``step_time_ratio_vs_trl`` = Tandem / TRL (aim <= 0.5);
-* ``async_overlap`` = Tandem's one-step-off wall time per step / max(rollout, train) time per step
-  of its sync run (aim <= 1.1: the rollout hides behind training).
+Alternation. Each side lives in its own process (``multiprocessing`` spawn: no shared allocator, RNG or
+thread pool) and keeps its model loaded; the parent hands out turns over a pipe. A side takes one
+step per turn and reports it, then blocks until its next turn: TRL in a ``TrainerCallback`` at
+``on_step_begin`` (the step is timed from there to ``on_step_end``, the span that holds generation,
+reward, loss and the optimizer step), Tandem in its loop's ``next step`` phase, after the step's
+``time/step_s`` (rollout, training, weight sync) was taken and the step logged. Setup
+(``trainer.train()``'s preparation, ``Run.train()``'s start) happens inside the side's first turn, a
+side's last report waits for its teardown, and a process exits only when told (after all rounds), so
+nothing of one side runs during the other's turn. A pair is one TRL and one Tandem process taking turns,
+TRL, Tandem, TRL, Tandem, ... for ``warmup + steps`` rounds; the warm-up rounds are dropped. Three pairs
+run one after another (two processes alive at a time: TRL without checkpointing peaks at ~11 GB RSS,
+Tandem at ~8 GB, and a third would not fit in this machine's 23 GB): TRL vs Tandem with checkpointing
+off, TRL paged vs a fresh Tandem (off), TRL vs Tandem with checkpointing on. Reported per side: median
+s/step and spread ((max - min) / median), generated tokens per step and mean completion length (TRL:
+the completion ids its generate call returns, EOS included; Tandem: ``rollout/samples x
+rollout/response_len_mean``), s per 1k generated tokens (median over steps) and peak RSS. Ratios are
+Tandem / TRL of the same pair:
 
-Usage: python bench/vs_trl.py [--prompts 8] [--group 4] [--max-new-tokens 64] [--steps 3] [--warmup 1]
+* ``step_time_ratio_vs_trl``, ``s_per_1k_tokens_ratio_vs_trl``: checkpointing off on both sides (aim
+  <= 0.33 for the latter); ``..._ckpt_on``: on on both sides;
+* ``step_time_ratio_vs_trl_paged`` (and s/1k tokens): TRL's strongest CPU generation setting,
+  ``use_transformers_continuous_batching=True`` (the successor of ``use_transformers_paged``, a KV cache
+  sized to the job: `PAGED`), checkpointing off; if it fails, ``trl_paged_error`` says why;
+* ``async_overlap`` = Tandem's one-step-off s/step / max(rollout, train) s/step of its sync run (aim
+  <= 1.1). One-step-off runs alone after the pairs (blocked between steps, its background rollout would
+  run on during the other side's turn), ``warmup + steps + 1`` steps: the warm-up steps and the last
+  step (it has no rollout to overlap) are dropped.
+
+Usage: python bench/vs_trl.py [--prompts 8] [--group 4] [--max-new-tokens 64] [--steps 5] [--warmup 1]
+       [--checkpointing off,on] [--no-paged] [--no-one-step-off]
 Needs the benchmark-only extra: pip install 'tandem-rl[bench]' (TRL). Ends with ``RESULT {json}``.
 """
 
@@ -17,27 +45,42 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
+import resource
 import shutil
 import statistics
+import sys
 import tempfile
 import time
-
-import torch
-
-from tandem.config import from_dict
-from tandem.models import load_tokenizer, resolve_model
-from tandem.rollout.tasks import ArithmeticTaskConfig, arithmetic_records
-from tandem.runtime.config import RunConfig
-from tandem.runtime.loop import Run
-from tandem.runtime.tracking import read_metrics
+import traceback
 
 MODEL = "smollm2-135m-instruct"
 SYSTEM = "You are a calculator. Answer with the number only."
+NUM_EXAMPLES = 2000
+# TRL's paged side: a KV cache sized to the job (64 pages of 256 tokens, 0.75 GB) instead of the default
+# share of free memory (12.6 GB RSS here, and 3x slower steps in a tiny run)
+PAGED = {"num_blocks": 64, "max_batch_tokens": 2048}
 
 
-def _records(n: int) -> list[dict]:
-    return arithmetic_records(ArithmeticTaskConfig(num_examples=n, seed=0))
+def _tandem_cfg(a: dict, mode: str, ckpt: bool):
+    from tandem.config import from_dict
+    from tandem.runtime.config import RunConfig
+
+    return from_dict(RunConfig, {
+        "run": {"name": f"bench-{mode}", "steps": a["total"], "seed": 0, "save_every": 10_000},
+        "model": {"name": MODEL},
+        "data": {"system_prompt": SYSTEM, "arithmetic": {"num_examples": NUM_EXAMPLES, "seed": 0}},
+        "rollout": {"prompts_per_step": a["prompts"], "n_samples_per_prompt": a["group"],
+                    "sampling": {"temperature": 1.0, "max_new_tokens": a["max_new_tokens"]}},
+        "reward": {"terms": [{"name": "number"}]},
+        "algorithm": {"advantage": {"estimator": "grpo"}, "policy_loss": {"aggregation": "token-mean"},
+                      **({"off_policy": {"mode": "tis"}} if mode != "sync" else {})},
+        "trainer": {"fsdp": {"micro_batch_tokens": 4096, "optimizer": {"lr": a["lr"]},
+                             "parallel": {"activation_checkpointing": ckpt}}},
+        "runtime": {"mode": mode},
+        "tracking": {"progress": False},
+    })
 
 
 def number_reward(completions, label, **_) -> list[float]:
@@ -52,53 +95,247 @@ def number_reward(completions, label, **_) -> list[float]:
     return out
 
 
-def run_trl(args, workdir: str) -> list[float]:
+# -- the sides (each in its own process) -------------------------------------------------------------
+
+def _child_setup(log_path: str) -> None:
+    """Child output goes to a log file (the parent shows its tail on failure); all cores for torch."""
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    sys.stdout = os.fdopen(1, "w", buffering=1)
+    sys.stderr = os.fdopen(2, "w", buffering=1)
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 2)
+
+
+def _peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _wait_turn(conn) -> None:
+    msg = conn.recv()
+    if msg != "go":
+        raise SystemExit(f"unexpected message {msg!r}")
+
+
+def _child(conn, side: str, a: dict) -> None:
+    """Entry of a side's process: ``side`` is trl, trl_paged, tandem or tandem_one_step_off."""
+    try:
+        _child_setup(a["log"])
+        (_trl_side if side.startswith("trl") else _tandem_side)(conn, side, a)
+        conn.recv()  # exit (and free memory) only when the parent says so: not during another side's turn
+        conn.send({"done": True, "peak_rss_mib": _peak_rss_mib()})
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which goes on with the other sides
+        traceback.print_exc()
+        conn.send({"error": f"{type(e).__name__}: {e}".splitlines()[0][:300]})
+
+
+def _trl_side(conn, side: str, a: dict) -> None:
     from datasets import Dataset
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    recs = _records(args.prompts * (args.steps + args.warmup) * 2)
-    ds = Dataset.from_list([{"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r["prompt"]}],
-                             "label": r["label"]} for r in recs])
-    times: list[float] = []
+    from tandem.models import load_tokenizer, resolve_model
+    from tandem.rollout.data import DataSource
 
-    class Timer(TrainerCallback):
-        t0 = None
-
-        def on_step_begin(self, a, state, control, **kw):
-            Timer.t0 = time.perf_counter()
-
-        def on_step_end(self, a, state, control, **kw):
-            times.append(time.perf_counter() - Timer.t0)
-
+    tok = load_tokenizer(MODEL)
+    # Tandem's prompts in the order Tandem's data source hands them out (the same config, seed, shuffle)
+    data = DataSource(_tandem_cfg(a, "sync", a["ckpt"]).data, tok)
+    recs = data.next_prompts(a["prompts"] * a["total"])
+    ds = Dataset.from_list([{"prompt": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": r.prompt}],
+                             "label": r.label} for r in recs])
+    paged = side == "trl_paged"
     cfg = GRPOConfig(
-        output_dir=workdir, use_cpu=True, use_vllm=False, per_device_train_batch_size=args.prompts * args.group,
-        num_generations=args.group, max_completion_length=args.max_new_tokens, learning_rate=args.lr, beta=0.0,
-        temperature=1.0, top_p=1.0, top_k=0, max_steps=args.steps + args.warmup, logging_steps=1,
-        save_strategy="no", report_to="none", seed=0, bf16=False,
+        output_dir=a["workdir"], use_cpu=True, use_vllm=False, per_device_train_batch_size=a["prompts"] * a["group"],
+        num_generations=a["group"], max_completion_length=a["max_new_tokens"], learning_rate=a["lr"], beta=0.0,
+        temperature=1.0, top_p=1.0, top_k=0, max_steps=a["total"], logging_steps=1, save_strategy="no",
+        report_to="none", seed=0, bf16=False, gradient_checkpointing=a["ckpt"], shuffle_dataset=False,
+        **({"use_transformers_continuous_batching": True, "transformers_continuous_batching_config": PAGED} if paged else {}),
     )
-    trainer = GRPOTrainer(model=str(resolve_model(MODEL)), reward_funcs=[number_reward], args=cfg, train_dataset=ds,
-                          processing_class=load_tokenizer(MODEL), callbacks=[Timer()])
+    state = {"step": None, "pending": None, "first": True}
+
+    def report() -> None:
+        if state["pending"] is not None:
+            conn.send(state["pending"])
+            state["pending"] = None
+
+    class Turns(TrainerCallback):
+        def on_step_begin(self, args, st, control, **kw):
+            report()
+            if not state["first"]:
+                _wait_turn(conn)
+            state["first"] = False
+            state["step"] = {"tokens": 0, "completions": 0, "prompt_ids": None, "rewards": []}
+            state["t0"] = time.perf_counter()
+
+        def on_step_end(self, args, st, control, **kw):
+            s = state["step"]
+            state["pending"] = {"step_s": time.perf_counter() - state["t0"], "tokens": s["tokens"],
+                                "completions": s["completions"], "prompt_ids": s["prompt_ids"],
+                                "reward_mean": statistics.mean(s["rewards"]) if s["rewards"] else None}
+
+    def reward(completions, label, **kw) -> list[float]:
+        out = number_reward(completions, label)
+        state["step"]["rewards"] += out
+        return out
+
+    reward.__name__ = "number_reward"
+    trainer = GRPOTrainer(model=str(resolve_model(MODEL)), reward_funcs=[reward], args=cfg, train_dataset=ds,
+                          processing_class=tok, callbacks=[Turns()])
+    generate = trainer._generate_single_turn
+
+    def counted(prompt_ids, *args, **kw):  # the exact generated token count, and the prompt TRL sends
+        completion_ids, logprobs = generate(prompt_ids, *args, **kw)
+        s = state["step"]
+        if s["prompt_ids"] is None:
+            s["prompt_ids"] = [int(t) for t in prompt_ids[0]]
+        s["tokens"] += sum(len(c) for c in completion_ids)
+        s["completions"] += len(completion_ids)
+        return completion_ids, logprobs
+
+    trainer._generate_single_turn = counted
+    conn.send({"ready": True, "peak_rss_mib": _peak_rss_mib()})
+    _wait_turn(conn)  # the first turn holds trainer.train()'s preparation too (untimed)
     trainer.train()
-    return times[args.warmup:]
+    report()  # the last step's report waits for the trainer's teardown: nothing runs in the next turn
 
 
-def run_tandem(args, workdir: str, mode: str) -> list[dict]:
-    cfg = from_dict(RunConfig, {
-        "run": {"name": f"bench-{mode}", "steps": args.steps + args.warmup, "seed": 0, "save_every": 10_000},
-        "model": {"name": MODEL},
-        "data": {"system_prompt": SYSTEM, "arithmetic": {"num_examples": 2000, "seed": 0}},
-        "rollout": {"prompts_per_step": args.prompts, "n_samples_per_prompt": args.group,
-                    "sampling": {"temperature": 1.0, "max_new_tokens": args.max_new_tokens}},
-        "reward": {"terms": [{"name": "number"}]},
-        "algorithm": {"advantage": {"estimator": "grpo"}, "policy_loss": {"aggregation": "token-mean"},
-                      **({"off_policy": {"mode": "tis"}} if mode != "sync" else {})},
-        "trainer": {"fsdp": {"micro_batch_tokens": 4096, "optimizer": {"lr": args.lr}}},
-        "runtime": {"mode": mode},
-        "tracking": {"progress": False},
-    })
-    Run(cfg, os.path.join(workdir, mode)).train()
-    return read_metrics(os.path.join(workdir, mode))[args.warmup:]
+def _tandem_side(conn, side: str, a: dict) -> None:
+    from tandem.runtime.loop import Run
+
+    stepwise = side == "tandem"
+    run = Run(_tandem_cfg(a, "sync" if stepwise else "one_step_off", a["ckpt"]), os.path.join(a["workdir"], side))
+    first_ids: list[list[int]] = []
+    take, log, phase = run.data.next_prompts, run.tracker.log, run.phase
+
+    def next_prompts(n):
+        recs = take(n)
+        first_ids.append(list(recs[0].prompt_token_ids))
+        return recs
+
+    rows: list[dict] = []
+
+    def tracked(step, metrics):
+        log(step, metrics)
+        m = metrics
+        rows.append({"step_s": m["time/step_s"], "tokens": m["rollout/samples"] * m["rollout/response_len_mean"],
+                     "completions": m["rollout/samples"], "prompt_ids": first_ids[step] if step < len(first_ids) else None,
+                     "reward_mean": m.get("reward/mean"),
+                     "rollout_s": m["time/generate_s"] + m.get("time/reward_s", 0.0),
+                     "train_s": m["time/train_s"] + m.get("time/logprob_s", 0.0) + m.get("time/sync_s", 0.0)})
+
+    def stepped(step, name):
+        if name == "next step" and step < a["total"]:  # the step is logged (and saved when due)
+            conn.send(rows[-1])
+            if stepwise:
+                _wait_turn(conn)  # before the next step's clock starts
+        phase(step, name)
+
+    run.data.next_prompts, run.tracker.log, run.phase = next_prompts, tracked, stepped
+    conn.send({"ready": True, "peak_rss_mib": _peak_rss_mib()})
+    _wait_turn(conn)
+    run.train()
+    conn.send(rows[-1])  # the last step's report waits for the final checkpoint and the run's teardown
+
+
+# -- the parent: turns, figures ------------------------------------------------------------------------
+
+class Side:
+    def __init__(self, name: str, a: dict, work: str) -> None:
+        self.name, self.steps, self.error, self.peak_rss = name, [], None, 0.0
+        os.makedirs(work, exist_ok=True)
+        self.log = os.path.join(work, f"{name}.log")
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        args = a | {"log": self.log, "workdir": os.path.join(work, name)}
+        self.proc = ctx.Process(target=_child, args=(child, name.split("-")[0], args), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def recv(self, timeout_s: float = 3600) -> dict:
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"{self.name}: no answer in {timeout_s:.0f}s")
+        msg = self.conn.recv()
+        if "error" in msg:
+            raise RuntimeError(msg["error"])
+        self.peak_rss = max(self.peak_rss, msg.get("peak_rss_mib", 0.0))
+        return msg
+
+    def fail(self, e: BaseException) -> None:
+        self.error = f"{type(e).__name__}: {e}"
+        tail = open(self.log).read()[-3000:] if os.path.exists(self.log) else ""
+        print(f"--- {self.name} failed: {self.error}\n{tail}\n---", file=sys.stderr, flush=True)
+        self.proc.kill()
+
+    def finish(self) -> None:
+        try:
+            self.conn.send("end")
+            self.recv(600)
+        except (EOFError, OSError, RuntimeError, TimeoutError):
+            pass
+        self.proc.join(60)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+def _start(names: list[str], a: dict, work: str) -> list[Side]:
+    """Start and load the sides one after another (untimed; no load overlaps another)."""
+    sides = []
+    for name in names:
+        side = Side(name, a, work)
+        try:
+            side.recv(1800)
+            print(f"[{name}] loaded", flush=True)
+        except (EOFError, OSError, RuntimeError, TimeoutError) as e:
+            side.fail(e)
+        sides.append(side)
+    return sides
+
+
+def _rounds(names: list[str], a: dict, work: str) -> list[Side]:
+    """``warmup + steps`` rounds of one step per live side, round robin."""
+    sides = _start(names, a, work)
+    for k in range(a["total"]):
+        for side in sides:
+            if side.error:
+                continue
+            try:
+                side.conn.send("go")
+                row = side.recv()
+            except (EOFError, OSError, RuntimeError, TimeoutError) as e:
+                side.fail(e)
+                continue
+            side.steps.append(row)
+            print(f"[{side.name}] step {k}: {row['step_s']:.2f} s, {row['tokens']:.0f} tokens", flush=True)
+    for side in sides:
+        if not side.error:
+            side.finish()
+    return sides
+
+
+def _summary(side: Side, drop_first: int, drop_last: int = 0) -> dict:
+    rows = side.steps[drop_first:len(side.steps) - drop_last]
+    times = [r["step_s"] for r in rows]
+    med = statistics.median(times)
+    per_1k = statistics.median(r["step_s"] / r["tokens"] * 1000 for r in rows)
+    out = {"s_per_step": round(med, 2), "spread": round((max(times) - min(times)) / med, 3),
+           "s_per_step_min_max": [round(min(times), 2), round(max(times), 2)], "timed_steps": len(rows),
+           "tokens_per_step": round(statistics.mean(r["tokens"] for r in rows), 1),
+           "mean_completion_len": round(sum(r["tokens"] for r in rows) / sum(r["completions"] for r in rows), 2),
+           "s_per_1k_tokens": round(per_1k, 2), "peak_rss_mib": round(side.peak_rss)}
+    rewards = [r["reward_mean"] for r in rows if r.get("reward_mean") is not None]
+    if rewards:
+        out["reward_mean"] = round(statistics.mean(rewards), 3)
+    if "rollout_s" in rows[0]:
+        out["rollout_s"] = round(statistics.median(r["rollout_s"] for r in rows), 2)
+        out["train_s"] = round(statistics.median(r["train_s"] for r in rows), 2)
+    return out
+
+
+def _same_prompts(x: Side, y: Side) -> bool:
+    n = min(len(x.steps), len(y.steps))
+    return n > 0 and all(x.steps[i]["prompt_ids"] == y.steps[i]["prompt_ids"] for i in range(n))
 
 
 def main() -> None:
@@ -107,40 +344,77 @@ def main() -> None:
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="timed steps per side (after the warm-up)")
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--skip-trl", action="store_true")
+    p.add_argument("--checkpointing", default="off,on", help="activation checkpointing on both sides: off, on or both")
+    p.add_argument("--no-paged", action="store_true", help="skip TRL's continuous-batching (paged) baseline")
+    p.add_argument("--no-one-step-off", action="store_true")
     args = p.parse_args()
-    torch.set_num_threads(os.cpu_count() or 2)
+    settings = [s.strip() for s in args.checkpointing.split(",") if s.strip()]
+    if not settings or any(s not in ("off", "on") for s in settings):
+        p.error("--checkpointing takes off, on or off,on")
+    base = {"prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens, "lr": args.lr,
+            "total": args.warmup + args.steps}
     work = tempfile.mkdtemp(prefix="tandem-vs-trl-")
     load = os.getloadavg()[0]
+    t_start = time.perf_counter()
+    result: dict = {"model": MODEL, "prompts": args.prompts, "group": args.group,
+                    "max_new_tokens": args.max_new_tokens, "warmup_steps": args.warmup, "timed_steps": args.steps}
     try:
-        trl_times = [] if args.skip_trl else run_trl(args, os.path.join(work, "trl"))
-        sync_rows = run_tandem(args, work, "sync")
-        async_rows = run_tandem(args, work, "one_step_off")
+        # (key suffix, TRL side, checkpointing): two sides alive at a time (three would not fit in 23 GB)
+        pairs = [(sfx, kind, ckpt) for sfx, kind, ckpt in
+                 (("", "trl", "off"), ("_paged", "trl_paged", "off"), ("_ckpt_on", "trl", "on"))
+                 if ckpt in settings and not (kind == "trl_paged" and args.no_paged)]
+        same: list[bool] = []
+        for sfx, kind, ckpt in pairs:
+            a = base | {"ckpt": ckpt == "on"}
+            ref, tan = _rounds([f"{kind}-{ckpt}", f"tandem-{ckpt}"], a, os.path.join(work, kind + sfx))
+            for key, side in ((f"trl{sfx}", ref), (f"tandem{sfx}", tan)):
+                if side.error:
+                    result[f"{key}_error"] = side.error
+                elif len(side.steps) > args.warmup:
+                    result[key] = _summary(side, args.warmup)
+            r, t = result.get(f"trl{sfx}"), result.get(f"tandem{sfx}")
+            if r and t:
+                result[f"step_time_ratio_vs_trl{sfx}"] = round(t["s_per_step"] / r["s_per_step"], 3)
+                result[f"s_per_1k_tokens_ratio_vs_trl{sfx}"] = round(t["s_per_1k_tokens"] / r["s_per_1k_tokens"], 3)
+                same.append(_same_prompts(tan, ref))
+        result["same_prompts"] = bool(same) and all(same)
+        if not args.no_one_step_off:
+            a = base | {"ckpt": False, "total": args.warmup + args.steps + 1}
+            side = _start(["tandem_one_step_off"], a, os.path.join(work, "one_step_off"))[0]
+            if not side.error:
+                side.conn.send("go")  # no turns: its background rollout would run during another side's turn
+                try:
+                    for _ in range(a["total"]):
+                        side.steps.append(side.recv())
+                    side.finish()
+                except (EOFError, OSError, RuntimeError, TimeoutError) as e:
+                    side.fail(e)
+            if side.error:
+                result["tandem_one_step_off_error"] = side.error
+            else:
+                result["tandem_one_step_off"] = off = _summary(side, args.warmup, drop_last=1)
+                sync = result.get("tandem")
+                if sync:
+                    result["async_overlap"] = round(off["s_per_step"] / max(sync["rollout_s"], sync["train_s"]), 3)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    tandem_step = statistics.median(r["time/step_s"] for r in sync_rows)
-    rollout = statistics.median(r["time/generate_s"] + r.get("time/reward_s", 0) for r in sync_rows)
-    train = statistics.median(r["time/train_s"] + r.get("time/logprob_s", 0) + r.get("time/sync_s", 0) for r in sync_rows)
-    async_step = statistics.median(r["time/step_s"] for r in async_rows)
-    result = {
-        "model": MODEL, "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens,
-        "timed_steps": args.steps, "tandem_sync_s_per_step": round(tandem_step, 2),
-        "tandem_rollout_s": round(rollout, 2), "tandem_train_s": round(train, 2),
-        "tandem_one_step_off_s_per_step": round(async_step, 2),
-        "async_overlap": round(async_step / max(rollout, train), 3),
-        "tandem_reward_mean": round(statistics.mean(r["reward/mean"] for r in sync_rows), 3),
-        "load_avg_start": round(load, 2), "load_avg_end": round(os.getloadavg()[0], 2),
-    }
-    if trl_times:
-        trl_step = statistics.median(trl_times)
-        result |= {"trl_s_per_step": round(trl_step, 2), "step_time_ratio_vs_trl": round(tandem_step / trl_step, 3)}
-        print(f"TRL GRPOTrainer: {trl_step:.1f} s/step   Tandem (sync): {tandem_step:.1f} s/step   "
-              f"ratio {tandem_step / trl_step:.2f}x")
-    print(f"Tandem one-step-off: {async_step:.1f} s/step vs max(rollout {rollout:.1f}, train {train:.1f}) -> "
-          f"overlap {result['async_overlap']:.2f}")
+    result |= {"load_avg_start": round(load, 2), "load_avg_end": round(os.getloadavg()[0], 2),
+               "wall_min": round((time.perf_counter() - t_start) / 60, 1)}
+    for sfx, what in (("", "checkpointing off"), ("_paged", "TRL paged, ckpt off"), ("_ckpt_on", "checkpointing on")):
+        t, r = result.get(f"tandem{sfx}"), result.get(f"trl{sfx}")
+        if t and r:
+            print(f"{what}: TRL {r['s_per_step']:.1f} s/step ({r['s_per_1k_tokens']:.1f} s/1k tok)  "
+                  f"Tandem {t['s_per_step']:.1f} s/step ({t['s_per_1k_tokens']:.1f} s/1k tok)  "
+                  f"ratio {result[f'step_time_ratio_vs_trl{sfx}']:.2f}x step, "
+                  f"{result[f's_per_1k_tokens_ratio_vs_trl{sfx}']:.2f}x per token")
+    if "async_overlap" in result:
+        print(f"Tandem one-step-off: {result['tandem_one_step_off']['s_per_step']:.1f} s/step -> overlap "
+              f"{result['async_overlap']:.2f}")
     print("RESULT " + json.dumps(result))
+    if any(k.endswith("_error") for k in result if not k.startswith("trl_paged")):
+        sys.exit(1)
 
 
 if __name__ == "__main__":
