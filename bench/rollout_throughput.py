@@ -119,6 +119,74 @@ def make_engine(dtype: str, deterministic: bool, threads: int, max_seqs: int) ->
     return engine
 
 
+def decode_roofline(engine: TorchEngine, prompts: list[list[int]], new_tokens: int, repeats: int) -> dict:
+    """The engine's decode step at ``len(prompts)`` sequences against this machine's roofline.
+
+    Measured decode step: the engine's own step time over steps that only decode (prefill steps left
+    out), median over ``repeats`` generations. Roofline: ``max(FLOPs / peak FLOP/s, bytes / read GB/s)``
+    per step, where FLOPs are the linear layers' ``2 * rows * in * out`` (the vocabulary projection
+    included) plus attention's ``4 * rows * heads * head_dim * keys``; bytes are every weight once plus
+    the keys/values read at the mean context; the peak is the best oneDNN product of this batch's rows
+    with each of the model's weight shapes (warm: the machine's compute roof), the read bandwidth a sum
+    over a 1 GiB buffer."""
+    from tandem.ops.linear import fast_linear
+
+    model, b = engine.model, len(prompts)
+    args, dtype = model.args, model.dtype
+    step_s: list[float] = []
+    for _ in range(repeats):
+        times: list[float] = []
+        original = engine._step
+
+        def timed(plan, original=original, times=times):
+            t0 = time.perf_counter()
+            original(plan)
+            if not plan.prefill and len(plan.decode) == b:
+                times.append(time.perf_counter() - t0)
+
+        engine._step = timed
+        try:
+            run_tandem(engine, prompts, new_tokens)
+        finally:
+            engine._step = original
+        step_s.append(statistics.median(times))
+    measured = statistics.median(step_s)
+    shapes = sorted({tuple(m.weight.shape) for m in model.modules() if isinstance(m, torch.nn.Linear)})
+    flops_per_s = []
+    with torch.no_grad():
+        for n_out, n_in in shapes:
+            w, x = torch.randn(n_out, n_in, dtype=dtype), torch.randn(b, n_in, dtype=dtype)
+            fast_linear(x, w)
+            n = max(3, int(2e9 / (2 * b * n_in * n_out)))
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fast_linear(x, w)
+            flops_per_s.append(2 * b * n_in * n_out * n / (time.perf_counter() - t0))
+        peak = max(flops_per_s)
+        big = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
+        big.sum()
+        t0 = time.perf_counter()
+        big.sum()
+        read_bps = big.numel() * 4 / (time.perf_counter() - t0)
+        del big
+    linear_flops = sum(2 * b * m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    keys = statistics.mean(len(p) for p in prompts) + new_tokens / 2  # mean context over the decode steps
+    attn_flops = 4 * b * args.num_layers * args.num_heads * args.head_dim * keys
+    size = torch.empty((), dtype=dtype).element_size()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes = 2 * b * args.num_layers * args.num_kv_heads * args.head_dim * keys * engine.cache.k.element_size()
+    roof = max((linear_flops + attn_flops) / peak, (weight_bytes + kv_bytes) / read_bps)
+    dt = str(dtype).removeprefix("torch.")
+    print(f"{dt:<5} {b:>2} seqs: decode step {1e3 * measured:.1f} ms; roofline {1e3 * roof:.1f} ms (compute "
+          f"{(linear_flops + attn_flops) / 1e9:.1f} GFLOP at {peak / 1e9:.0f} GFLOP/s = "
+          f"{1e3 * (linear_flops + attn_flops) / peak:.1f} ms; memory {(weight_bytes + kv_bytes) / 1e6:.0f} MB at "
+          f"{read_bps / 1e9:.1f} GB/s = {1e3 * (weight_bytes + kv_bytes) / read_bps:.1f} ms); fraction "
+          f"{roof / measured:.2f} (size {size} B)")
+    return {f"decode_step_ms_{dt}": round(1e3 * measured, 2), f"roofline_step_ms_{dt}": round(1e3 * roof, 2),
+            f"roofline_fraction_{dt}": round(roof / measured, 3), f"peak_gflops_{dt}": round(peak / 1e9, 1),
+            f"read_gbps_{dt}": round(read_bps / 1e9, 2)}
+
+
 def vllm_available() -> bool:
     try:
         import vllm  # noqa: F401
@@ -248,6 +316,8 @@ def main() -> None:
             result["deterministic_cost"] = round(det_s / td_s, 2)
             print(f"fp32  {b:>2} seqs: deterministic {tokens / det_s:7.1f} tok/s (spread {spread(times['det'])})   "
                   f"cost x{det_s / td_s:.2f}")
+    result |= decode_roofline(engine, prompts[:big], args.new_tokens, args.repeats)
+    result["roofline_fraction"] = result["roofline_fraction_float32"]
     engine.close()
     result["speedup_vs_hf"] = result[f"speedup_vs_hf_{big}"]
 
@@ -256,6 +326,7 @@ def main() -> None:
         hf16 = load_model(ModelConfig(name=MODEL, dtype="bfloat16"))
         run_hf(hf16, prompts[:2], 4, pad_id)
         e16 = make_engine("bfloat16", False, args.threads, big)
+        result |= decode_roofline(e16, prompts[:big], args.new_tokens, args.repeats)
         d16 = make_engine("bfloat16", True, args.threads, big)
         times = alternate({"hf": lambda: run_hf(hf16, prompts[:big], args.new_tokens, pad_id),
                            "tandem": lambda: run_tandem(e16, prompts[:big], args.new_tokens),
