@@ -180,15 +180,20 @@ def main() -> None:
             drafter=name, k=args.k, max_batch=None)))
     # the draft head learns online: a rollout of 32 prompts, then a training (as at a weight sync), per round
     head = engines["draft_head"]
-    head_rounds = []
+    head_rounds, head_train_s, head_expected = [], [], []
     for rnd in range(args.head_rounds + 1):
         _, _, d = timed(head, requests(prompts[32 * rnd : 32 * rnd + 32], args, seed=rnd))
         if rnd:
             head_rounds.append(round(acceptance(d), 3))
+        if rnd == args.head_rounds:
+            break  # the last round only measures
+        before = head.health().get("spec_head_train_s", 0.0)
         trained = head.train_drafter()
-        print(f"draft head round {rnd}: acceptance {acceptance(d):.3f} (drafted {d['drafted']:.0f}), training "
-              f"loss {trained.get('spec_head_loss', 0):.3f}, token accuracy {trained.get('spec_head_token_accuracy', 0):.3f}",
-              flush=True)
+        head_train_s.append(round(trained.get("spec_head_train_s", 0.0) - before, 2))
+        head_expected.append(round(trained.get("spec_head_expected_acceptance", 0.0), 3))
+        print(f"draft head round {rnd}: acceptance {acceptance(d):.3f} (drafted {d['drafted']:.0f}); training "
+              f"{head_train_s[-1]} s, loss {trained.get('spec_head_loss', 0):.3f}, expected acceptance "
+              f"{head_expected[-1]}, token accuracy {trained.get('spec_head_token_accuracy', 0):.3f}", flush=True)
     timing_prompts = prompts[-32:]
     default = throughput(args, engines, timing_prompts, 4, args.batches)
     forced = throughput(args, engines, timing_prompts, None, args.forced_batches)
@@ -206,6 +211,8 @@ def main() -> None:
     out["acceptance_rate"] = default[first][best[first]]["acceptance_rate"]
     out["acceptance_rate_by_drafter"] = {n: default[first][n]["acceptance_rate"] for n in DRAFTERS}
     out["head_acceptance_by_round"] = head_rounds
+    out["head_train_s_by_round"] = head_train_s
+    out["head_expected_acceptance_by_training"] = head_expected
     out["draft_acceptance_gain"] = round(head_rounds[-1] - head_rounds[0], 3) if len(head_rounds) > 1 else None
     out["throughput"] = {"default": default, "forced": forced}
     print("THROUGHPUT " + json.dumps(out), flush=True)  # kept if the GRPO part fails

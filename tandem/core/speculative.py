@@ -24,8 +24,9 @@ class SpeculativeConfig:
     """``drafter``: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of the
     sequence's last ``ngram_max`` .. ``ngram_min`` tokens, in its prompt or its own output; no model), or
     ``draft_head`` (a small head on the policy's last hidden state and the newest token, Eagle-style,
-    trained online on the hidden states of the rollouts the engine produces: `head_epochs` passes at each
-    weight update, over a draft vocabulary of the ``draft_vocab`` most frequent tokens seen so far).
+    trained online on the hidden states of the rollouts the engine produces: ``head_epochs`` passes at each
+    weight update over the newest ``head_buffer_tokens`` rows, distilling the target's distribution, unrolled
+    ``head_unroll`` draft steps; over a draft vocabulary of the ``draft_vocab`` most frequent tokens seen).
     ``k``: draft tokens per target pass (the most, with ``adaptive``). ``adaptive``: each sequence's ``k``
     follows its acceptance: one more after a fully accepted draft, the accepted length + 1 after a rejection,
     between 1 and ``k``. ``max_batch``: speculate only while at most this many sequences decode (a larger
@@ -41,7 +42,8 @@ class SpeculativeConfig:
     draft_vocab: int = 4096
     head_lr: float = 3e-3
     head_epochs: int = 2
-    head_buffer_tokens: int = 65536  # hidden states kept for the next training (the newest)
+    head_buffer_tokens: int = 16384  # the newest rows, replayed at every training
+    head_unroll: int = 2  # draft steps unrolled in training (the head fed its own features)
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -50,10 +52,11 @@ class SpeculativeConfig:
             raise ValueError(f"speculative k={self.k!r} must be an integer in [1, 32]")
         if self.max_batch is not None and self.max_batch < 1:
             raise ValueError(f"speculative max_batch={self.max_batch} must be >= 1 (or None: always)")
-        if self.draft_vocab < 2 or self.head_epochs < 0 or not self.head_lr > 0 or self.head_buffer_tokens < 1:
+        if (self.draft_vocab < 2 or self.head_epochs < 0 or not self.head_lr > 0 or self.head_buffer_tokens < 1
+                or not 1 <= self.head_unroll <= 8):
             raise ValueError(f"speculative draft_vocab={self.draft_vocab} (>= 2), head_epochs={self.head_epochs} "
                              f"(>= 0), head_lr={self.head_lr} (> 0), head_buffer_tokens={self.head_buffer_tokens} "
-                             "(>= 1): out of range")
+                             f"(>= 1), head_unroll={self.head_unroll} (1 .. 8): out of range")
         if not 1 <= self.ngram_min <= self.ngram_max <= 16:
             raise ValueError(f"speculative ngram_min={self.ngram_min}, ngram_max={self.ngram_max}: need "
                              "1 <= ngram_min <= ngram_max <= 16")

@@ -495,7 +495,7 @@ class Run:
                "rollout/spec_acceptance_rate": d["accepted"] / d["drafted"] if d["drafted"] else 0.0,
                "rollout/spec_mean_accepted": d["accepted"] / d["passes"] if d["passes"] else 0.0,
                "rollout/spec_tokens_per_pass": d["emitted"] / d["passes"] if d["passes"] else 0.0}
-        for key in ("spec_head_loss", "spec_head_token_accuracy"):  # drafter: draft_head (its last training)
+        for key in ("spec_head_loss", "spec_head_token_accuracy", "spec_head_expected_acceptance"):  # draft_head
             if isinstance(health.get(key), int | float):
                 out[f"rollout/{key}"] = float(health[key])
         return out

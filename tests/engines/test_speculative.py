@@ -257,18 +257,44 @@ def test_the_draft_head_learns_online_and_its_drafts_keep_the_exact_contract():
         weights = [(n, p.detach().clone()) for n, p in engine.model.named_parameters()]
         engine.generate(_requests(ps, temperature=1.0, max_new_tokens=24))
         assert engine.health()["spec_passes"] == 0  # untrained: no drafts
-        losses = []
+        losses, accepts = [], []
         for version in range(1, 6):
             engine.update_weights(weights, version=version)  # trains the head on the rollouts so far
             losses.append(engine.health()["spec_head_loss"])
+            accepts.append(engine.health()["spec_head_expected_acceptance"])
             results = engine.generate(_requests(ps, temperature=1.0, max_new_tokens=24))
         health = engine.health()
         pairs = [(p, r.completions[0].token_ids) for p, r in zip(ps, results, strict=True)]
         expected = teacher_forced(engine.model, pairs, invariant=True)
     assert health["spec_head_trainings"] == 5 and health["spec_passes"] > 0 and health["spec_drafted"] > 0
     assert losses[-1] < losses[0], losses
+    assert accepts[-1] > accepts[0], accepts  # sum min(p, q) of its first draft token, on its training rows
     for r, e in zip(results, expected, strict=True):
         assert torch.equal(torch.tensor(r.completions[0].log_probs), e)
+
+
+def test_the_draft_head_distils_the_targets_distribution_from_a_replayed_window():
+    """What the draft head trains on: every kept row's normaliser is the logsumexp of the target's logits at
+    that row (decode rows and verified draft rows alike), so ``exp(h W^T - lse)`` is the distribution the
+    token was sampled from; the window keeps the newest ``head_buffer_tokens`` rows across trainings."""
+    ps = prompts([5, 9, 7, 12, 6, 10, 8, 11], seed=33)
+    spec = SpeculativeConfig(drafter="draft_head", k=3, max_batch=None, draft_vocab=256, head_buffer_tokens=300)
+    with make_engine(max_num_seqs=8, speculative=spec) as engine:
+        drafter = engine._drafter
+        weights = [(n, p.detach().clone()) for n, p in engine.model.named_parameters()]
+        engine.generate(_requests(ps, temperature=1.0, max_new_tokens=24))
+        engine.update_weights(weights, version=1)
+        engine.generate(_requests(ps, temperature=1.0, max_new_tokens=24))  # with drafts, verified
+        assert engine.health()["spec_accepted"] > 0
+        drafter._sweep()
+        out = engine.model.lm_head.weight.detach().float()
+        for hidden, tokens, lse in drafter.buffer:
+            torch.testing.assert_close(lse, torch.logsumexp(hidden @ out.T, dim=-1), rtol=1e-5, atol=1e-5)
+        kept = sum(len(t) for _, t, _ in drafter.buffer)
+        assert 300 <= kept < 300 + 24 + 1 and drafter.buffered == kept  # the newest 300+ of 2 x 8 x 24 rows
+        engine.update_weights(weights, version=2)
+        assert sum(len(t) for _, t, _ in drafter.buffer) == kept  # replayed by the next training, not dropped
+        assert engine.health()["spec_head_trainings"] == 2
 
 
 def test_bad_speculative_settings_are_refused():
@@ -280,3 +306,5 @@ def test_bad_speculative_settings_are_refused():
         SpeculativeConfig(ngram_min=3, ngram_max=2)
     with pytest.raises(ValueError, match="max_batch=0 must be >= 1"):
         SpeculativeConfig(max_batch=0)
+    with pytest.raises(ValueError, match="head_unroll=0 .1 .. 8.: out of range"):
+        SpeculativeConfig(head_unroll=0)

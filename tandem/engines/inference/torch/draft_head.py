@@ -11,12 +11,19 @@ step of SmolLM2). Further draft tokens feed ``f`` back in place of ``h``. Drafts
 argmax), so `speculative.speculative_sample` keeps the target's distribution exactly, whatever the head
 has learned.
 
-Training: every sequence's hidden states and tokens are kept while it decodes (the rows that produced
-its tokens); finished sequences go to a buffer of the newest ``head_buffer_tokens`` rows. At each weight
-update the head takes ``head_epochs`` passes of Adam over the buffer, with a cross-entropy loss on
-``x_{t+2}`` (over the draft vocabulary) plus a smooth-L1 loss pulling ``f_{t+1}`` towards ``h_{t+1}``, then
-the buffer is cleared: the head follows the policy as its weights change, on the hidden states the policy
-itself produced. Before its first training the head drafts nothing (plain decoding).
+Training: every sequence's hidden states, tokens and the log-normaliser of the target's logits at each
+row (``logsumexp``, taken by the engine from the logits it sampled from) are kept while it decodes;
+finished sequences join a window of the newest ``head_buffer_tokens`` rows, which every training replays
+(the policy moves little between syncs, and more data is what the head lacks most). At each weight update,
+before the new weights are copied in, the head takes ``head_epochs`` passes of Adam over the window. The
+loss distils the target's distribution rather than its samples: at row ``t + 1`` the target sampled from
+``p = softmax(h_{t+1} W^T)``, which the window's hidden state and normaliser give exactly over the draft
+vocabulary, and the head's ``q`` is pulled towards it by ``KL(p || q)`` (``p`` renormalised over the draft vocabulary; the acceptance of a sampled draft
+is ``sum min(p, q) = 1 - TV(p, q)``: matching ``p`` is what raises it; a cross-entropy on the sampled token
+is the same objective with the noise of one sample per row), plus a smooth-L1 loss pulling ``f_{t+1}``
+towards ``h_{t+1}``. The head is unrolled ``head_unroll`` steps during training, feeding its own ``f`` back
+as it does when it drafts (as EAGLE-3's training-time test), so the second and later draft tokens are
+trained on the features they will see. Before its first training the head drafts nothing (plain decoding).
 """
 
 from __future__ import annotations
@@ -67,26 +74,30 @@ class HeadDrafter:
     def __init__(self, model, config: SpeculativeConfig) -> None:
         self.model, self.config = model, config
         self.head: DraftHead | None = None
-        self.buffer: list[tuple[torch.Tensor, torch.Tensor]] = []  # (hidden [n, H] fp32, tokens [n])
+        self.buffer: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (hidden [n, H], tokens [n], lse [n])
         self.buffered = 0
         self._live: dict[int, object] = {}  # sequences with rows not yet collected
         self.stats = {"spec_head_trainings": 0, "spec_head_loss": 0.0, "spec_head_token_accuracy": 0.0,
-                      "spec_head_vocab_coverage": 0.0, "spec_head_train_s": 0.0}
+                      "spec_head_expected_acceptance": 0.0, "spec_head_vocab_coverage": 0.0, "spec_head_train_s": 0.0}
 
     # -- what the engine tells it ----------------------------------------------------------------------
 
-    def observe(self, seq, hidden: torch.Tensor, tokens: list[int]) -> None:
-        """``hidden [m, H]`` produced ``tokens`` (in order) for ``seq``."""
+    def observe(self, seq, hidden: torch.Tensor, tokens: list[int], lse: torch.Tensor | None = None) -> None:
+        """``hidden [m, H]`` produced ``tokens`` (in order) for ``seq``; ``lse [m]``: the logsumexp of the
+        target's logits at those rows (None: computed here from the output embedding)."""
         rows = hidden.detach().float()
-        seq.spec_hidden.append((rows, torch.tensor(tokens, dtype=torch.long)))
+        if lse is None:
+            lse = torch.logsumexp(rows @ self.model.lm_head.weight.detach().float().T, dim=-1)
+        seq.spec_hidden.append((rows, torch.tensor(tokens, dtype=torch.long), lse.detach().float()))
         seq.spec_last = rows[-1]
         self._live[id(seq)] = seq
 
-    def observe_rows(self, sequences, hidden: torch.Tensor, tokens: list[int]) -> None:
+    def observe_rows(self, sequences, hidden: torch.Tensor, tokens: list[int],
+                     lse: torch.Tensor | None = None) -> None:
         """One row and one token per sequence (a decode step, or a prompt's last row)."""
         self._sweep()
         for i, (seq, token) in enumerate(zip(sequences, tokens, strict=True)):
-            self.observe(seq, hidden[i : i + 1], [token])
+            self.observe(seq, hidden[i : i + 1], [token], None if lse is None else lse[i : i + 1])
 
     def _sweep(self) -> None:
         from tandem.engines.inference.torch.scheduler import Phase
@@ -97,15 +108,14 @@ class HeadDrafter:
                 self.collect(seq)
 
     def collect(self, seq) -> None:
-        """A finished sequence: its rows join the training buffer (the newest ``head_buffer_tokens``)."""
+        """A finished sequence: its rows join the training window (the newest ``head_buffer_tokens``)."""
         if not seq.spec_hidden:
             return
-        hidden = torch.cat([h for h, _ in seq.spec_hidden])
-        tokens = torch.cat([t for _, t in seq.spec_hidden])
+        hidden, tokens, lse = (torch.cat(parts) for parts in zip(*seq.spec_hidden, strict=True))
         seq.spec_hidden, seq.spec_last = [], None
         if len(tokens) < 2:
             return
-        self.buffer.append((hidden, tokens))
+        self.buffer.append((hidden, tokens, lse))
         self.buffered += len(tokens)
         while self.buffered - len(self.buffer[0][1]) >= self.config.head_buffer_tokens:
             self.buffered -= len(self.buffer.pop(0)[1])
@@ -113,49 +123,70 @@ class HeadDrafter:
     # -- training ----------------------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
-        """``head_epochs`` passes over the buffer, then clear it; the losses of the last pass."""
+        """``head_epochs`` passes over the window (kept for the next training); the figures of the last pass:
+        ``spec_head_loss`` (KL + feature loss, per unrolled step), ``spec_head_expected_acceptance`` (mean
+        ``sum min(p, q)`` of the first draft token at temperature 1, on the training rows),
+        ``spec_head_token_accuracy`` (the head's argmax is the token the target sampled)."""
         self._sweep()
         if not self.buffer or self.config.head_epochs == 0:
             return {}
         start = time.perf_counter()
-        embed = self.model.model.embed_tokens.weight.detach()
-        h_in, x_next, h_next, x_target = [], [], [], []
-        for hidden, tokens in self.buffer:  # row t produced token t: (h_t, x_{t+1}) -> (h_{t+1}, x_{t+2})
-            h_in.append(hidden[:-1])
-            x_next.append(tokens[:-1])
-            h_next.append(hidden[1:])
-            x_target.append(tokens[1:])
-        h_in, x_next, h_next, x_target = (torch.cat(v) for v in (h_in, x_next, h_next, x_target))
+        hidden, tokens, lse = (torch.cat(parts) for parts in zip(*self.buffer, strict=True))
+        unroll = self.config.head_unroll
+        # a start row t needs rows t .. t + unroll of its own sequence: (h_t, x_{t+1}) -> (h_{t+1}, x_{t+2}), ...
+        starts, offset = [], 0
+        for _, seq_tokens, _ in self.buffer:
+            n = len(seq_tokens)
+            steps = min(unroll, n - 1)
+            starts.append(torch.arange(offset, offset + n - steps))
+            offset += n
+        starts = torch.cat(starts)
+        ends = torch.cat([torch.full((len(t),), i) for i, (_, t, _) in enumerate(self.buffer)])  # row -> sequence
         if self.head is None:
-            self.head = self._new_head(torch.cat([t for _, t in self.buffer]))
+            self.head = self._new_head(tokens)
         head = self.head
-        target_rows = head.index[x_target]
-        self.stats["spec_head_vocab_coverage"] = float((target_rows >= 0).float().mean())
+        embed = self.model.model.embed_tokens.weight.detach()
+        out_rows = self.model.lm_head.weight.detach()[head.token_ids].float()  # the target's, for p
+        self.stats["spec_head_vocab_coverage"] = float((head.index[tokens] >= 0).float().mean())
         optimizer = torch.optim.Adam(head.parameters(), lr=self.config.head_lr)
         generator = torch.Generator().manual_seed(self.stats["spec_head_trainings"])
-        batch = 256
+        batch = 512
         with torch.enable_grad(), torch.inference_mode(False):
             for _ in range(self.config.head_epochs):
-                order = torch.randperm(len(x_target), generator=generator)
-                total, correct, count = 0.0, 0, 0
+                order = starts[torch.randperm(len(starts), generator=generator)]
+                total = accept = correct = count = 0.0
                 for i in range(0, len(order), batch):
                     rows = order[i : i + batch]
-                    inside = target_rows[rows] >= 0
-                    f = head(h_in[rows].clone(), embed[x_next[rows]].float())
-                    logits = head.logits(f)
-                    ce = F.cross_entropy(logits[inside], target_rows[rows][inside]) if inside.any() else logits.sum() * 0
-                    loss = ce + F.smooth_l1_loss(f, h_next[rows])
+                    f, loss, size = hidden[rows].clone(), 0.0, len(rows)
+                    for s in range(unroll):
+                        cur, nxt = rows + s, rows + s + 1
+                        valid = (nxt < len(tokens)) & (ends[nxt.clamp(max=len(tokens) - 1)] == ends[rows])
+                        if not valid.all():  # a sequence shorter than the unroll: stop its rows there
+                            if not valid.any():
+                                break
+                            f, cur, nxt, rows = f[valid], cur[valid], nxt[valid], rows[valid]
+                        f = head(f, embed[tokens[cur]].float())
+                        log_q = torch.log_softmax(head.logits(f), dim=-1)
+                        with torch.no_grad():
+                            p = torch.exp(hidden[nxt] @ out_rows.T - lse[nxt, None])  # the target's p on the draft vocabulary
+                            p_draft = p / p.sum(-1, keepdim=True).clamp(min=1e-30)  # p given a draft-vocabulary token
+                        kl = (torch.xlogy(p_draft, p_draft) - p_draft * log_q).sum(-1).mean()
+                        loss = loss + (kl + F.smooth_l1_loss(f, hidden[nxt])) / unroll
+                        if s == 0:
+                            with torch.no_grad():
+                                accept += float(torch.minimum(p, log_q.exp()).sum(-1).sum())
+                                target = head.index[tokens[nxt]]
+                                correct += float((log_q.argmax(-1) == target).sum())
+                                count += len(rows)
                     optimizer.zero_grad(set_to_none=True)
                     loss.backward()
                     optimizer.step()
-                    total += float(loss.detach()) * len(rows)
-                    count += len(rows)
-                    correct += int((logits.argmax(-1)[inside] == target_rows[rows][inside]).sum())
+                    total += float(loss.detach()) * size
         self.stats["spec_head_trainings"] += 1
         self.stats["spec_head_loss"] = total / max(count, 1)
+        self.stats["spec_head_expected_acceptance"] = accept / max(count, 1)
         self.stats["spec_head_token_accuracy"] = correct / max(count, 1)
         self.stats["spec_head_train_s"] += time.perf_counter() - start
-        self.buffer, self.buffered = [], 0
         return dict(self.stats)
 
     def _new_head(self, tokens: torch.Tensor) -> DraftHead:

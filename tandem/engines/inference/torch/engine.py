@@ -264,6 +264,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
                 + more
             )
         with self._between_steps(), torch.no_grad():
+            self.train_drafter()  # the draft head learns the weights that produced its rollouts, before they change
             for name, tensor in items:
                 target = self._weights[name]
                 _copy_into(target, tensor if self._quant is None else self._quant.served(name, tensor, target.dtype))
@@ -272,7 +273,6 @@ class TorchEngine(AdapterMethods, ScoringMethods):
                 self.adapters.remove(self._policy_adapter)
                 self._policy_adapter = None
             self._version = int(version)
-            self.train_drafter()  # the draft head learns from the rollouts of the weights before
 
     def _incoming(self, items: list, version: int) -> list:
         """``items`` with quantized tensors + companions dequantized (needs ``quantization``)."""
@@ -542,13 +542,16 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             # the vocabulary projection exactly as models/logprobs.py computes it (F.linear, then float32)
             picked = torch.tensor(rows + verify_rows, device=device)
             logits = F.linear(hidden[picked], self.model.lm_head.weight).float()
+            learns = self._drafter is not None and self._drafter.needs_hidden
+            lse = torch.logsumexp(logits, dim=-1) if learns else None  # the draft head's targets' normaliser
             if rows:
                 tokens, log_probs = sample_tokens(logits[: len(rows)], samplers)
-                if self._drafter is not None and self._drafter.needs_hidden:
-                    self._drafter.observe_rows(sampling, hidden[picked[: len(rows)]], tokens.tolist())
+                if learns:
+                    self._drafter.observe_rows(sampling, hidden[picked[: len(rows)]], tokens.tolist(), lse[: len(rows)])
                 self._append(sampling, tokens.tolist(), log_probs.tolist())
             if verify_rows:
-                emitted = apply_verification(self, plan, logits[len(rows):], hidden, recorded, offset)
+                emitted = apply_verification(self, plan, logits[len(rows):], hidden, recorded, offset,
+                                             None if lse is None else lse[len(rows):])
         self._stats["steps"] += 1
         self._stats["prompt_tokens_computed"] += sum(c.count for _, c in plan.prefill)
         self._stats["generated_tokens"] += len(rows) + (emitted if verify_rows else 0)

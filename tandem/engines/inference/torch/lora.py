@@ -215,10 +215,10 @@ class AdapterMethods:
         adapter.modules = {m: (a.detach().clone(), b.detach().clone()) for m, (a, b) in adapter.modules.items()}
         adapter.version = int(version)
         with self._between_steps():
+            self.train_drafter()  # on the rollouts of the adapter being replaced
             self.adapters.add(adapter)
             self._policy_adapter = self.POLICY
             self._version = int(version)
-            self.train_drafter()
 
     def add_lora_adapter(self, name: str, source, *, alpha: float | None = None) -> None:
         """Serve another adapter under ``name`` (requests pick it with ``lora=name``): a peft adapter folder

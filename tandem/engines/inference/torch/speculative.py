@@ -57,10 +57,10 @@ class NgramDrafter:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.max_n, self.min_n = config.ngram_max, config.ngram_min
 
-    def observe(self, seq, hidden, tokens) -> None:  # needs no hidden states
+    def observe(self, seq, hidden, tokens, lse=None) -> None:  # needs no hidden states
         pass
 
-    def observe_rows(self, sequences, hidden, tokens) -> None:
+    def observe_rows(self, sequences, hidden, tokens, lse=None) -> None:
         pass
 
     def propose_batch(self, sequences, ks: list[int]) -> list[list[int]]:
@@ -166,18 +166,22 @@ def draft_for_verification(plan, drafter, config) -> None:
     plan.decode = keep
 
 
-def apply_verification(engine, plan, logits: torch.Tensor, hidden: torch.Tensor, recorded, offset: int) -> int:
+def apply_verification(engine, plan, logits: torch.Tensor, hidden: torch.Tensor, recorded, offset: int,
+                       lse: torch.Tensor | None = None) -> int:
     """The verified sequences of ``plan`` take their tokens (``logits``: their rows; ``offset``: the first of
-    their rows in the step): the keys/values of rejected rows are dropped, routing rows recorded for what
-    is kept, the drafter told; the number of tokens emitted."""
+    their rows in the step; ``lse``: logsumexp of ``logits`` per row, for a drafter that learns): the
+    keys/values of rejected rows are dropped, routing rows recorded for what is kept, the drafter told; the
+    number of tokens emitted."""
     emitted = accept_drafts(plan.verify, logits, engine.config.speculative, engine._spec_stats)
-    total = 0
+    total, row = 0, 0
     for (seq, chunk, _), (new, log_probs) in zip(plan.verify, emitted, strict=True):
         seq.num_cached = chunk.start + len(new)  # keys/values kept: the last token + the accepted draft
         if recorded is not None and seq.request.params.return_routed_experts:
             engine.scheduler.record_routing(seq, chunk.start, recorded[offset : offset + len(new)])
-        engine._drafter.observe(seq, hidden[offset : offset + len(new)], new)
+        engine._drafter.observe(seq, hidden[offset : offset + len(new)], new,
+                                None if lse is None else lse[row : row + len(new)])
         offset += chunk.count
+        row += chunk.count
         engine._append([seq] * len(new), new, log_probs)
         total += len(new)
     return total
