@@ -276,7 +276,8 @@ def test_the_draft_head_learns_online_and_its_drafts_keep_the_exact_contract():
 def test_the_draft_head_distils_the_targets_distribution_from_a_replayed_window():
     """What the draft head trains on: every kept row's normaliser is the logsumexp of the target's logits at
     that row (decode rows and verified draft rows alike), so ``exp(h W^T - lse)`` is the distribution the
-    token was sampled from; the window keeps the newest ``head_buffer_tokens`` rows across trainings."""
+    token was sampled from; the window keeps the newest ``head_buffer_tokens`` rows across trainings, and a
+    training needs new rollouts."""
     ps = prompts([5, 9, 7, 12, 6, 10, 8, 11], seed=33)
     spec = SpeculativeConfig(drafter="draft_head", k=3, max_batch=None, draft_vocab=256, head_buffer_tokens=300)
     with make_engine(max_num_seqs=8, speculative=spec) as engine:
@@ -292,8 +293,11 @@ def test_the_draft_head_distils_the_targets_distribution_from_a_replayed_window(
             torch.testing.assert_close(lse, torch.logsumexp(hidden @ out.T, dim=-1), rtol=1e-5, atol=1e-5)
         kept = sum(len(t) for _, t, _ in drafter.buffer)
         assert 300 <= kept < 300 + 24 + 1 and drafter.buffered == kept  # the newest 300+ of 2 x 8 x 24 rows
+        assert drafter.fresh == 8  # the second round's sequences, not trained on yet
         engine.update_weights(weights, version=2)
-        assert sum(len(t) for _, t, _ in drafter.buffer) == kept  # replayed by the next training, not dropped
+        assert sum(len(t) for _, t, _ in drafter.buffer) == kept  # kept for replay, not dropped
+        assert engine.health()["spec_head_trainings"] == 2 and drafter.fresh == 0
+        engine.update_weights(weights, version=3)  # nothing new: no training
         assert engine.health()["spec_head_trainings"] == 2
 
 
@@ -306,5 +310,5 @@ def test_bad_speculative_settings_are_refused():
         SpeculativeConfig(ngram_min=3, ngram_max=2)
     with pytest.raises(ValueError, match="max_batch=0 must be >= 1"):
         SpeculativeConfig(max_batch=0)
-    with pytest.raises(ValueError, match="head_unroll=0 .1 .. 8.: out of range"):
+    with pytest.raises(ValueError, match=r"head_unroll=0 \(1 .. 8\), head_replay=2.0 \(>= 0\): out of range"):
         SpeculativeConfig(head_unroll=0)

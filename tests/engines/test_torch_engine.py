@@ -296,3 +296,21 @@ def test_deterministic_mode_is_batch_invariant(dtype):
         )
     a, b = alone.completions[0], mixed[3].completions[0]
     assert a.token_ids == b.token_ids and a.log_probs == b.log_probs
+
+
+@pytest.mark.parametrize(("start", "rows"), [(0, 5), (37, 5), (100, 1), (12, 16)])
+def test_small_chunk_attention_equals_causal_sdpa(start, rows):
+    """A verification/prompt chunk of <= 16 rows (`_small_chunk_attention`, grouped query heads) attends
+    like SDPA with the chunk's causal mask over the cache before it."""
+    import torch.nn.functional as F
+
+    from tandem.engines.inference.torch.kv_cache import _small_chunk_attention
+
+    gen = torch.Generator().manual_seed(start + rows)
+    hq, hkv, d, end = 9, 3, 16, start + rows
+    q = torch.randn(rows, hq, d, generator=gen)
+    k, v = torch.randn(2, hkv, end, d, generator=gen)
+    mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                              scale=0.25, enable_gqa=True)[0].transpose(0, 1)
+    torch.testing.assert_close(_small_chunk_attention(q, k, v, start, 0.25), expected, rtol=1e-5, atol=1e-5)

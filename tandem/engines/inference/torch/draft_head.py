@@ -13,13 +13,14 @@ has learned.
 
 Training: every sequence's hidden states, tokens and the log-normaliser of the target's logits at each
 row (``logsumexp``, taken by the engine from the logits it sampled from) are kept while it decodes;
-finished sequences join a window of the newest ``head_buffer_tokens`` rows, which every training replays
-(the policy moves little between syncs, and more data is what the head lacks most). At each weight update,
-before the new weights are copied in, the head takes ``head_epochs`` passes of Adam over the window. The
-loss distils the target's distribution rather than its samples: at row ``t + 1`` the target sampled from
+finished sequences join a window of the newest ``head_buffer_tokens`` rows. At each weight update the head
+trains on the sequences since the last one plus ``head_replay`` times as many rows of older ones drawn
+from the window (the policy moves little between syncs, and more data is what the head lacks most; the
+cost of a training stays proportional to the new rollouts): ``head_epochs`` passes of Adam, before the new
+weights are copied in. The loss distils the target's distribution rather than its samples: at row ``t + 1`` the target sampled from
 ``p = softmax(h_{t+1} W^T)``, which the window's hidden state and normaliser give exactly over the draft
-vocabulary, and the head's ``q`` is pulled towards it by ``KL(p || q)`` (``p`` renormalised over the draft vocabulary; the acceptance of a sampled draft
-is ``sum min(p, q) = 1 - TV(p, q)``: matching ``p`` is what raises it; a cross-entropy on the sampled token
+vocabulary, and the head's ``q`` is pulled towards it by ``KL(p || q)`` (``p`` renormalised over the draft
+vocabulary; the acceptance of a sampled draft is ``sum min(p, q) = 1 - TV(p, q)``: matching ``p`` is what raises it; a cross-entropy on the sampled token
 is the same objective with the noise of one sample per row), plus a smooth-L1 loss pulling ``f_{t+1}``
 towards ``h_{t+1}``. The head is unrolled ``head_unroll`` steps during training, feeding its own ``f`` back
 as it does when it drafts (as EAGLE-3's training-time test), so the second and later draft tokens are
@@ -38,6 +39,7 @@ from torch import nn
 
 from tandem.core.speculative import SpeculativeConfig
 from tandem.engines.inference.torch.speculative import DraftDist
+from tandem.ops.linear import fast_linear
 
 __all__ = ["DraftHead", "HeadDrafter"]
 
@@ -63,7 +65,7 @@ class DraftHead(nn.Module):
         return h + self.fc2(F.silu(self.fc1(torch.cat([h, embedded], dim=-1))))
 
     def logits(self, f: torch.Tensor) -> torch.Tensor:
-        return f @ self.out.T
+        return fast_linear(f, self.out)  # oneDNN: ~2x MKL's product with a transposed matrix at a few rows
 
 
 class HeadDrafter:
@@ -76,6 +78,7 @@ class HeadDrafter:
         self.head: DraftHead | None = None
         self.buffer: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (hidden [n, H], tokens [n], lse [n])
         self.buffered = 0
+        self.fresh = 0  # sequences added since the last training (the newest of the buffer)
         self._live: dict[int, object] = {}  # sequences with rows not yet collected
         self.stats = {"spec_head_trainings": 0, "spec_head_loss": 0.0, "spec_head_token_accuracy": 0.0,
                       "spec_head_expected_acceptance": 0.0, "spec_head_vocab_coverage": 0.0, "spec_head_train_s": 0.0}
@@ -117,31 +120,43 @@ class HeadDrafter:
             return
         self.buffer.append((hidden, tokens, lse))
         self.buffered += len(tokens)
+        self.fresh += 1
         while self.buffered - len(self.buffer[0][1]) >= self.config.head_buffer_tokens:
             self.buffered -= len(self.buffer.pop(0)[1])
 
     # -- training ----------------------------------------------------------------------------------------
 
     def train(self) -> dict[str, float]:
-        """``head_epochs`` passes over the window (kept for the next training); the figures of the last pass:
+        """``head_epochs`` passes over the sequences since the last training and ``head_replay`` times as many
+        rows of older ones drawn at random from the window (nothing new: no training); the figures of the last pass:
         ``spec_head_loss`` (KL + feature loss, per unrolled step), ``spec_head_expected_acceptance`` (mean
         ``sum min(p, q)`` of the first draft token at temperature 1, on the training rows),
         ``spec_head_token_accuracy`` (the head's argmax is the token the target sampled)."""
         self._sweep()
-        if not self.buffer or self.config.head_epochs == 0:
+        fresh = min(self.fresh, len(self.buffer))
+        if not fresh or self.config.head_epochs == 0:
             return {}
         start = time.perf_counter()
-        hidden, tokens, lse = (torch.cat(parts) for parts in zip(*self.buffer, strict=True))
+        generator = torch.Generator().manual_seed(self.stats["spec_head_trainings"])
+        chosen = self.buffer[len(self.buffer) - fresh :]  # the sequences since the last training
+        want = self.config.head_replay * sum(len(t) for _, t, _ in chosen)
+        for i in torch.randperm(len(self.buffer) - fresh, generator=generator).tolist():  # + older ones, at random
+            if want <= 0:
+                break
+            chosen.append(self.buffer[i])
+            want -= len(self.buffer[i][1])
+        self.fresh = 0
+        hidden, tokens, lse = (torch.cat(parts) for parts in zip(*chosen, strict=True))
         unroll = self.config.head_unroll
         # a start row t needs rows t .. t + unroll of its own sequence: (h_t, x_{t+1}) -> (h_{t+1}, x_{t+2}), ...
         starts, offset = [], 0
-        for _, seq_tokens, _ in self.buffer:
+        for _, seq_tokens, _ in chosen:
             n = len(seq_tokens)
             steps = min(unroll, n - 1)
             starts.append(torch.arange(offset, offset + n - steps))
             offset += n
         starts = torch.cat(starts)
-        ends = torch.cat([torch.full((len(t),), i) for i, (_, t, _) in enumerate(self.buffer)])  # row -> sequence
+        ends = torch.cat([torch.full((len(t),), i) for i, (_, t, _) in enumerate(chosen)])  # row -> sequence
         if self.head is None:
             self.head = self._new_head(tokens)
         head = self.head
@@ -149,7 +164,6 @@ class HeadDrafter:
         out_rows = self.model.lm_head.weight.detach()[head.token_ids].float()  # the target's, for p
         self.stats["spec_head_vocab_coverage"] = float((head.index[tokens] >= 0).float().mean())
         optimizer = torch.optim.Adam(head.parameters(), lr=self.config.head_lr)
-        generator = torch.Generator().manual_seed(self.stats["spec_head_trainings"])
         batch = 512
         with torch.enable_grad(), torch.inference_mode(False):
             for _ in range(self.config.head_epochs):

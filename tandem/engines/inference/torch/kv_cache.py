@@ -24,6 +24,8 @@ from tandem.ops.batch_invariant import KEY_TILE, group_queries, invariant_attent
 
 __all__ = ["KVCache", "PrefillChunk", "StepAttention"]
 
+SMALL_CHUNK = 16  # prompt/verification chunks of at most this many rows take `_small_chunk_attention`
+
 
 class KVCache:
     """``k, v [layers, num_slots, Hkv, slot_len, D]``, allocated once (zeros); `release` frees it."""
@@ -175,6 +177,9 @@ class StepAttention:
             limit = torch.arange(chunk.start + 1, end + 1, device=q.device).repeat_interleave(hq // hkv)
             out = invariant_attention(group_queries(q, hkv)[None], keys, values, limit[None], scale)[0]
             return ungroup_queries(out, n)
+        if n <= SMALL_CHUNK:
+            return _small_chunk_attention(q, cache_k[chunk.slot, :, :end], cache_v[chunk.slot, :, :end],
+                                          chunk.start, scale)
         keys = cache_k[chunk.slot, :, :end][None]
         values = cache_v[chunk.slot, :, :end][None]
         mask = None
@@ -193,6 +198,27 @@ class StepAttention:
             enable_gqa=hq != hkv,
         )  # [1, Hq, n, D]
         return out[0].transpose(0, 1)
+
+
+def _small_chunk_attention(q, keys, values, start: int, scale: float) -> torch.Tensor:
+    """``q [n, Hq, D]`` at positions ``start .. start + n - 1`` over one slot's ``keys, values [Hkv, end, D]``,
+    causally: the decode path's two batched products with the chunk's query rows stacked per key head (a
+    speculative verification's ``k + 1`` rows, a short prompt chunk). SDPA's flash kernel costs ~60 us per
+    call on a CPU whatever the size, this ~25 us at a handful of rows (not used in deterministic mode)."""
+    n, hq, d = q.shape
+    hkv, end = keys.shape[0], keys.shape[1]
+    g = hq // hkv
+    grouped = q.view(n, hkv, g, d).permute(1, 2, 0, 3).reshape(hkv, g * n, d)  # rows (head of group, token)
+    if q.dtype == torch.float32:
+        scores = torch.matmul(grouped, keys.transpose(-1, -2))  # [Hkv, G * n, end]
+    else:
+        scores = torch.matmul(keys, grouped.transpose(-1, -2)).transpose(-1, -2)
+    scores = scores.float() * scale
+    position = torch.arange(start, start + n, device=q.device).repeat(g)  # [G * n]
+    allowed = torch.arange(end, device=q.device)[None, :] <= position[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    out = torch.matmul(torch.softmax(scores, dim=-1).to(values.dtype), values)  # [Hkv, G * n, D]
+    return out.view(hkv, g, n, d).permute(2, 0, 1, 3).reshape(n, hq, d)
 
 
 def _masked_attention(q, k, v, limit, scale) -> torch.Tensor:
