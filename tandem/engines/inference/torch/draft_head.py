@@ -184,7 +184,9 @@ class HeadDrafter:
                         with torch.no_grad():
                             p = torch.exp(hidden[nxt] @ out_rows.T - lse[nxt, None])  # the target's p on the draft vocabulary
                             p_draft = p / p.sum(-1, keepdim=True).clamp(min=1e-30)  # p given a draft-vocabulary token
-                        kl = (torch.xlogy(p_draft, p_draft) - p_draft * log_q).sum(-1).mean()
+                        # KL(p_draft || q) weighted by the row's draft-vocabulary mass: a row whose sampled
+                        # token is mostly outside the draft vocabulary cannot be accepted whatever q is
+                        kl = (p * (torch.log(p_draft.clamp(min=1e-30)) - log_q)).sum(-1).mean()
                         loss = loss + (kl + F.smooth_l1_loss(f, hidden[nxt])) / unroll
                         if s == 0:
                             with torch.no_grad():
