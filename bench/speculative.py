@@ -13,7 +13,8 @@ Two settings are timed: the default (``max_batch: 4``: no drafts while more than
 on a CPU a larger batch is compute-bound and verifying drafts costs more than it saves) and ``forced``
 (drafts at every batch size), which shows why the default is what it is. The GRPO part runs the demo recipe
 (recipes/smollm2-135m/addition-grpo.yaml) for ``--grpo-steps`` steps without speculation and with each
-drafter (default settings), and compares the median step time after the first step.
+drafter (default settings), ``--grpo-repeats`` rounds with the order rotated, and compares the median step time
+after each run's first step (``--grpo-only``: this part alone).
 
     .venv/bin/python bench/speculative.py                 # ~25 min on 2 cores
     .venv/bin/python bench/speculative.py --quick         # tiny-llama, seconds (a smoke of the script)
@@ -123,27 +124,37 @@ def throughput(args, engines: dict[str, TorchEngine], prompts, max_batch: int | 
 
 
 def grpo(args) -> dict[str, dict]:
-    """Median GRPO step seconds (after the first step) of the demo recipe, plain and with each drafter."""
+    """Median GRPO step seconds (after each run's first step) of the demo recipe, plain and with each drafter:
+    ``--grpo-repeats`` rounds of one run per setting, the order rotated each round (the VM's speed drifts)."""
     from tandem.config import load_config
     from tandem.runtime.config import RunConfig
     from tandem.runtime.loop import Run
     from tandem.runtime.tracking import read_metrics
 
     recipe = ROOT / "recipes" / "smollm2-135m" / "addition-grpo.yaml"
+    names = ["plain", *DRAFTERS]
+    steps: dict[str, list[float]] = {n: [] for n in names}
+    accept: dict[str, list[float]] = {n: [] for n in names}
+    for round_ in range(args.grpo_repeats):
+        for name in names[round_ % len(names) :] + names[: round_ % len(names)]:
+            extra = [] if name == "plain" else [f"rollout.speculative={{drafter: {name}}}"]
+            with tempfile.TemporaryDirectory(prefix="tandem-bench-spec-") as tmp:
+                cfg = load_config(RunConfig, recipe, [f"run.steps={args.grpo_steps}", "run.save_every=0",
+                                                      "tracking.progress=false", *extra])
+                with Run(cfg, Path(tmp)) as run:
+                    run.train(close=False)
+                rows = read_metrics(Path(tmp))
+            rows = [r for r in rows if "time/step_s" in r]  # training steps (evaluation rows have no step time)
+            timed_steps = [r["time/step_s"] for r in rows[1:]]
+            steps[name] += timed_steps
+            accept[name] += [r.get("rollout/spec_acceptance_rate", 0.0) for r in rows[1:]]
+            print(f"grpo round {round_ + 1} {name}: steps {[round(s, 2) for s in timed_steps]}", flush=True)
     out = {}
-    for name in ("plain", *DRAFTERS):
-        extra = [] if name == "plain" else [f"rollout.speculative={{drafter: {name}}}"]
-        with tempfile.TemporaryDirectory(prefix="tandem-bench-spec-") as tmp:
-            cfg = load_config(RunConfig, recipe, [f"run.steps={args.grpo_steps}", "run.save_every=0",
-                                                  "tracking.progress=false", *extra])
-            with Run(cfg, Path(tmp)) as run:
-                run.train(close=False)
-            rows = read_metrics(Path(tmp))
-        rows = [r for r in rows if "time/step_s" in r]  # training steps (evaluation rows have no step time)
-        steps = [r["time/step_s"] for r in rows[1:]]
-        out[name] = {"step_s": round(statistics.median(steps), 2), "steps": [round(s, 2) for s in steps],
-                     "acceptance_rate": round(statistics.mean(r.get("rollout/spec_acceptance_rate", 0.0)
-                                                              for r in rows[1:]), 3)}
+    for name in names:
+        median = statistics.median(steps[name])
+        out[name] = {"step_s": round(median, 2), "steps": [round(s, 2) for s in steps[name]],
+                     "spread": round((max(steps[name]) - min(steps[name])) / median, 3),
+                     "acceptance_rate": round(statistics.mean(accept[name]), 3)}
         print(f"grpo {name}: {out[name]}", flush=True)
     for name in DRAFTERS:
         out[name]["step_time_ratio"] = round(out[name]["step_s"] / out["plain"]["step_s"], 3)
@@ -161,6 +172,8 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--head-rounds", type=int, default=4)
     p.add_argument("--grpo-steps", type=int, default=3, help="0: skip the GRPO part")
+    p.add_argument("--grpo-repeats", type=int, default=3, help="rounds of GRPO runs, the settings alternating")
+    p.add_argument("--grpo-only", action="store_true", help="only the GRPO part (RESULT: its keys alone)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="tiny-llama, short responses, 1 repeat, no GRPO")
     args = p.parse_args()
@@ -169,6 +182,12 @@ def main() -> None:
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.forced_batches = [int(b) for b in str(args.forced_batches).split(",") if b]
     torch.set_num_threads(args.threads)
+    if args.grpo_only:
+        out = {"model": "smollm2-135m-instruct (demo recipe)", "grpo_steps": args.grpo_steps,
+               "grpo_repeats": args.grpo_repeats, "grpo": grpo(args)}
+        out["grpo_step_time_ratio"] = {n: out["grpo"][n]["step_time_ratio"] for n in DRAFTERS}
+        print("RESULT " + json.dumps(out), flush=True)
+        return
     prompts = make_prompts(args.model, 32 * (args.head_rounds + 1)) if not args.quick else None
     if args.quick:
         from tests.engines.torch_helpers import prompts as random_prompts
