@@ -20,7 +20,7 @@ cost of a training stays proportional to the new rollouts): ``head_epochs`` pass
 weights are copied in. The loss distils the target's distribution rather than its samples: at row ``t + 1`` the target sampled from
 ``p = softmax(h_{t+1} W^T)``, which the window's hidden state and normaliser give exactly over the draft
 vocabulary, and the head's ``q`` is pulled towards it by ``KL(p || q)`` (``p`` renormalised over the draft
-vocabulary; the acceptance of a sampled draft is ``sum min(p, q) = 1 - TV(p, q)``: matching ``p`` is what raises it; a cross-entropy on the sampled token
+vocabulary, each row weighted by the mass ``p`` puts there; the acceptance of a sampled draft is ``sum min(p, q) = 1 - TV(p, q)``: matching ``p`` is what raises it; a cross-entropy on the sampled token
 is the same objective with the noise of one sample per row), plus a smooth-L1 loss pulling ``f_{t+1}``
 towards ``h_{t+1}``. The head is unrolled ``head_unroll`` steps during training, feeding its own ``f`` back
 as it does when it drafts (as EAGLE-3's training-time test), so the second and later draft tokens are
