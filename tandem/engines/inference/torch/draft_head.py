@@ -85,22 +85,19 @@ class HeadDrafter:
 
     # -- what the engine tells it ----------------------------------------------------------------------
 
-    def observe(self, seq, hidden: torch.Tensor, tokens: list[int], lse: torch.Tensor | None = None) -> None:
+    def observe(self, seq, hidden: torch.Tensor, tokens: list[int], lse: torch.Tensor) -> None:
         """``hidden [m, H]`` produced ``tokens`` (in order) for ``seq``; ``lse [m]``: the logsumexp of the
-        target's logits at those rows (None: computed here from the output embedding)."""
+        target's logits at those rows (the engine has them: it sampled from those logits)."""
         rows = hidden.detach().float()
-        if lse is None:
-            lse = torch.logsumexp(rows @ self.model.lm_head.weight.detach().float().T, dim=-1)
         seq.spec_hidden.append((rows, torch.tensor(tokens, dtype=torch.long), lse.detach().float()))
         seq.spec_last = rows[-1]
         self._live[id(seq)] = seq
 
-    def observe_rows(self, sequences, hidden: torch.Tensor, tokens: list[int],
-                     lse: torch.Tensor | None = None) -> None:
+    def observe_rows(self, sequences, hidden: torch.Tensor, tokens: list[int], lse: torch.Tensor) -> None:
         """One row and one token per sequence (a decode step, or a prompt's last row)."""
         self._sweep()
         for i, (seq, token) in enumerate(zip(sequences, tokens, strict=True)):
-            self.observe(seq, hidden[i : i + 1], [token], None if lse is None else lse[i : i + 1])
+            self.observe(seq, hidden[i : i + 1], [token], lse[i : i + 1])
 
     def _sweep(self) -> None:
         from tandem.engines.inference.torch.scheduler import Phase
