@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tandem.models.attention import AttentionContext, MoERouting
+from tandem.models.lean_ops import rms_norm, rotary, swiglu
 from tandem.models.logprobs import TiedGrad, tied_embedding, token_logprobs
 
 __all__ = ["CausalLM", "TransformerArgs", "UnsupportedModelError", "SUPPORTED_MODEL_TYPES"]
@@ -124,10 +125,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class RotaryEmbedding(nn.Module):
@@ -161,14 +159,9 @@ def _rope_inv_freq(args: TransformerArgs) -> tuple[torch.Tensor, float]:
     return inv_freq.float(), float(scaling)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x [N, heads, D]``, ``cos/sin [N, D]``."""
-    return x * cos[:, None, :] + _rotate_half(x) * sin[:, None, :]
+    """``x [N, heads, D]``, ``cos/sin [N, D]``: ``x * cos + rotate_half(x) * sin``."""
+    return rotary(x, cos[:, None, :], sin[:, None, :])
 
 
 class Attention(nn.Module):
@@ -210,7 +203,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inner, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class SparseMoE(nn.Module):
