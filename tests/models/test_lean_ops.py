@@ -60,7 +60,7 @@ def test_gradients_equal_autograd_of_the_plain_ops(name):
     dy = torch.randn(37, 3, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     (lean(*a) * dy).sum().backward()
     (plain(*b) * dy).sum().backward()
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         if x.requires_grad:
             torch.testing.assert_close(x.grad, y.grad, rtol=1e-5, atol=1e-6)  # RMSNorm computes in float32
     if name != "rms_norm":  # exact in float64: finite differences agree
