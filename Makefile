@@ -7,7 +7,7 @@ PIP    := $(PY) -m pip
 NO_DEPS = $(shell $(PYTHON) -c "import tomllib;print(' '.join(tomllib.load(open('pyproject.toml','rb'))['tool']['tandem']['no_deps']))")
 PYTEST_ARGS ?=
 
-.PHONY: demo test test-vllm test-all lint clean-venv
+.PHONY: demo test test-vllm test-all lint clean-venv allocator
 
 $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,6 +18,13 @@ $(VENV)/.base-installed: pyproject.toml | $(VENV)/bin/python
 	$(PIP) install -q --no-deps $(NO_DEPS)
 	touch $@
 
+# tcmalloc for runtime.allocator=auto (best effort: a run falls back to glibc malloc without it)
+$(VENV)/.allocator: scripts/fetch_allocator.sh | $(VENV)/bin/python
+	bash scripts/fetch_allocator.sh $(VENV)/lib/tandem-allocators
+	touch $@
+
+allocator: $(VENV)/.allocator
+
 $(VENV)/.dev-installed: pyproject.toml $(VENV)/.base-installed
 	$(PIP) install -q -e ".[dev,tracking,data,megatron]"
 	touch $@
@@ -27,7 +34,7 @@ DEMO_STAMP  := $(shell date +%Y%m%d-%H%M%S)
 DEMO_DIR    ?= runs/demo-$(DEMO_STAMP)
 
 # The main job: GRPO on SmolLM2-135M-Instruct (single-digit addition), colocated on CPU, then plots.
-demo: $(VENV)/.base-installed
+demo: $(VENV)/.base-installed $(VENV)/.allocator
 	$(VENV)/bin/tandem train $(DEMO_RECIPE) --run-dir $(DEMO_DIR) $(DEMO_ARGS)
 	$(VENV)/bin/tandem report $(DEMO_DIR)
 
@@ -46,7 +53,7 @@ $(VLLM_VENV)/.installed: pyproject.toml scripts/install_vllm.sh
 
 # The CI subset: everything except GPU tests and slow tests, plus the slow tests marked `ci`; then the vLLM
 # tests in .venv-vllm. Both suites run even if the first fails; the target fails if either did.
-test: $(VENV)/.dev-installed $(if $(filter 1,$(VLLM)),$(VLLM_VENV)/.installed)
+test: $(VENV)/.dev-installed $(VENV)/.allocator $(if $(filter 1,$(VLLM)),$(VLLM_VENV)/.installed)
 	@status=0; \
 	$(PY) -m pytest -m "$(CI_MARKERS)" $(PYTEST_ARGS) || status=$$?; \
 	if [ "$(VLLM)" = 1 ]; then \

@@ -56,12 +56,14 @@ def _trainer_bytes(trainer) -> dict[str, float]:
 def child(name: str, steps: int, out: Path, overrides: list[str]) -> None:
     """One run in this process; prints one JSON line."""
     from tandem.config import load_config
+    from tandem.runtime.allocator import reexec_under
     from tandem.runtime.config import RunConfig
     from tandem.runtime.loop import Run
     from tandem.runtime.tracking import read_metrics
 
     cfg = load_config(RunConfig, RECIPES[name], [f"run.steps={steps}", "run.save_every=0", "eval.sets=[]",
                                                  "tracking.progress=false", *overrides])
+    allocator = reexec_under(cfg.runtime.allocator)  # as `tandem train` does: the default path
     t0 = time.perf_counter()
     run = Run(cfg, out, overwrite=True)
     build_s = time.perf_counter() - t0
@@ -71,7 +73,7 @@ def child(name: str, steps: int, out: Path, overrides: list[str]) -> None:
     rows = read_metrics(out)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
     print(json.dumps({
-        "name": name, "peak_rss_mib": peak, "build_s": build_s, **state,
+        "name": name, "allocator": allocator, "peak_rss_mib": peak, "build_s": build_s, **state,
         "step_s": [r["time/step_s"] for r in rows], "sync_bytes": [r.get("sync/bytes", 0.0) for r in rows],
         "sync_s": [r.get("time/sync_s", 0.0) for r in rows], "reward": [r.get("reward/mean") for r in rows],
         "tokens": sum(r.get("rollout/response_len_mean", 0.0) * r.get("rollout/samples", 0.0) for r in rows),
@@ -132,10 +134,11 @@ def main(argv: list[str] | None = None) -> int:
             "sync_s": _med([_med(r["sync_s"]) for r in rs]),
             "reward_first": _med([r["reward"][0] for r in rs]),
             "reward_last2": _med([statistics.mean(r["reward"][-2:]) for r in rs]),
-            "contract_max": max(r["contract_max"] for r in rs),
+            "contract_max": max(r["contract_max"] for r in rs), "allocator": rs[0]["allocator"],
             **{k: rs[0][k] for k in ("params_mib", "buffers_mib", "grads_mib", "optimizer_mib")},
         }
-    print(f"\n{'':>6} | peak RSS MiB | s/step (spread) | s/1k tok | sync MiB | sync s | state MiB "
+    print(f"\nhost allocator: {summary['full']['allocator']} (runtime.allocator; --set runtime.allocator=glibc for glibc)")
+    print(f"{'':>6} | peak RSS MiB | s/step (spread) | s/1k tok | sync MiB | sync s | state MiB "
           "(params+buffers / grads / optim) | reward step 1 -> last 2")
     for name, s in summary.items():
         print(f"{name:>6} | {s['peak_rss_mib']:>12.0f} | {s['s_per_step']:.2f} ({s['s_per_step_spread']}) | "

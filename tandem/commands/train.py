@@ -33,6 +33,13 @@ def run(args: argparse.Namespace) -> int:
     if args.debug_train_only:
         overrides.append(f"rollout.load_dump={args.debug_train_only}")
     cfg = load_config(RunConfig, args.recipe, overrides)  # every error is reported before any work
+    from tandem.runtime.allocator import AllocatorError, reexec_under
+
+    try:  # restarts this command under tcmalloc/jemalloc when one is installed (runtime.allocator)
+        reexec_under(cfg.runtime.allocator)
+    except AllocatorError as e:
+        print(f"tandem: error: {e}", file=sys.stderr)
+        return 2
     from tandem.runtime.checkpoint import CheckpointError
     from tandem.runtime.engine_wire import EngineProcessError
     from tandem.runtime.loop import Run

@@ -115,6 +115,9 @@ class RuntimeConfig:
     mask_stale_tokens: bool = False
     watchdog_s: float = 1800.0
     max_skipped_steps: int = 5
+    # host allocator (tandem/runtime/allocator.py): auto = tcmalloc, else jemalloc, else glibc; `tandem train`
+    # restarts itself with the library preloaded (a library use of Run keeps the one it started with)
+    allocator: Literal["auto", "glibc", "tcmalloc", "jemalloc"] = "auto"
     # glibc malloc: freed tensors of at least this many bytes go back to the system at once instead of
     # staying resident in malloc's arenas (tandem/runtime/allocator.py: lower peak RSS, slower CPU steps);
     # 0: glibc's dynamic default

@@ -40,7 +40,7 @@ from tandem.models import load_tokenizer
 from tandem.rewards.hub import RewardHub
 from tandem.rollout.data import DataSource
 from tandem.runtime import builders
-from tandem.runtime.allocator import set_mmap_threshold
+from tandem.runtime.allocator import note_allocator
 from tandem.runtime.checkpoint import (
     check_resume_target,
     load_run_state,
@@ -84,7 +84,7 @@ class Run:
             )
         builders.check_placement(cfg)
         builders.check_load_dump(cfg)
-        set_mmap_threshold(cfg.runtime.malloc_mmap_threshold)  # before anything large is allocated
+        note_allocator(cfg.runtime.allocator, cfg.runtime.malloc_mmap_threshold)  # before anything large
         if resume:  # nothing left to do is said now, before anything is built
             check_resume_target(run_dir, cfg.run.steps)
         # every engine setting the run asks for is checked now, before anything is built

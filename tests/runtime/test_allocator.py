@@ -57,3 +57,46 @@ def test_bad_values_are_refused_with_the_limit(tmp_path):
 
     with pytest.raises(ConfigError, match=r"malloc_mmap_threshold=67108864 must be in \[0, 33554432\]"):
         load_config(RunConfig, recipe, ["runtime.malloc_mmap_threshold=67108864"])
+
+
+# -- runtime.allocator: tcmalloc / jemalloc preloaded by `tandem train` ----------------------------------
+
+from tandem.runtime.allocator import AllocatorError, find_allocator, resolve_allocator  # noqa: E402
+
+TCMALLOC = find_allocator("tcmalloc")
+
+
+def test_auto_falls_back_to_glibc_and_a_named_allocator_that_is_missing_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TANDEM_ALLOCATOR_DIRS", str(tmp_path))  # nothing installed there
+    assert resolve_allocator("auto") == ("glibc", None)
+    assert resolve_allocator("glibc") == ("glibc", None)
+    with pytest.raises(AllocatorError, match=rf"runtime.allocator=jemalloc: none of libjemalloc.so.2 in {tmp_path}"):
+        resolve_allocator("jemalloc")
+
+
+def test_an_unknown_allocator_is_refused_by_the_config(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name: tiny-qwen3}\n")
+    from tandem.runtime.config import RunConfig
+
+    with pytest.raises(ConfigError, match="allocator"):
+        load_config(RunConfig, recipe, ["runtime.allocator=mimalloc"])
+
+
+@pytest.mark.skipif(TCMALLOC is None, reason="tcmalloc not fetched (make allocator: needs apt-get)")
+def test_tandem_train_restarts_itself_under_tcmalloc_once_and_runs(tmp_path):
+    """`tandem train` with the default `auto` runs under tcmalloc (same PID, one restart); `glibc` stays."""
+    import os
+
+    recipe = "recipes/tiny/grpo-sync.yaml"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("LD_PRELOAD", None)
+    for choice, expected in (("auto", "tcmalloc"), ("glibc", "glibc")):
+        out = subprocess.run(
+            [sys.executable, "-m", "tandem", "train", recipe, "run.steps=1", "eval.sets=[]", f"runtime.allocator={choice}",
+             "--run-dir", str(tmp_path / choice), "--quiet"],
+            capture_output=True, text=True, env=env, timeout=600,
+        )
+        assert out.returncode == 0, out.stderr[-2000:]
+        assert f"host allocator: {expected}" in out.stderr, out.stderr[-2000:]
+        assert out.stderr.count("restarting under") == (1 if expected != "glibc" else 0)
