@@ -3,9 +3,10 @@
 Autograd keeps what each primitive op needs for its own backward, so the plain composition of these
 three blocks keeps intermediates that the gradient can recompute cheaply from its inputs (per token
 and layer, for SmolLM2-135M: the normalised ``h`` of both RMSNorms, 2 x 576 floats; the rotated copies
-of ``q`` and ``k``, 2 x (576 + 192); ``silu(gate)``, 1,536). That is ~4,200 of the ~12,700 floats a
-decoder layer keeps per token: a third of the activation memory of a training step. The functions
-here keep only their inputs (and RMSNorm's per-row ``rsqrt``) and recompute the rest in backward.
+of ``q`` and ``k``, 2 x (576 + 192); ``silu(gate)``, 1,536). The functions here keep only their inputs
+(and RMSNorm's per-row ``rsqrt``) and recompute the rest in backward. Measured on SmolLM2-135M (2,048
+packed tokens, saved-tensor hooks): 11,190 -> 8,483 floats kept per token and layer, 2,623 -> 1,988 MiB
+for the micro-batch, 0.76x.
 
 The **forward computes exactly the plain ops** (the same torch calls in the same order, so the same
 bits: the trainer/rollout log-prob contract is untouched, and the batch-invariant mode still swaps

@@ -85,7 +85,7 @@ def _saved_bytes(layer: torch.nn.Module, x, cos, sin, ctx, lean: bool, monkeypat
     return sum(n for ptr, n in seen.items() if ptr not in params)
 
 
-def test_a_decoder_layer_keeps_a_third_fewer_bytes_for_backward(monkeypatch):
+def test_a_decoder_layer_keeps_a_fifth_fewer_bytes_for_backward(monkeypatch):
     from tandem.models.attention import VarlenAttention
 
     args = TransformerArgs.from_hf_config(tiny_config("llama", 256))
