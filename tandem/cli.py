@@ -71,6 +71,9 @@ def _one_line(e: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # the process is this command (console script / python -m tandem), not a caller of main(): only then
+    # may a command restart it (tandem train under tcmalloc, tandem/runtime/allocator.py)
+    args.owns_process = argv is None
     if args.command is None:
         parser.print_help()
         return 2

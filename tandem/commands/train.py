@@ -36,7 +36,8 @@ def run(args: argparse.Namespace) -> int:
     from tandem.runtime.allocator import AllocatorError, reexec_under
 
     try:  # restarts this command under tcmalloc/jemalloc when one is installed (runtime.allocator)
-        reexec_under(cfg.runtime.allocator)
+        if getattr(args, "owns_process", False):  # never restart a program that called cli.main itself
+            reexec_under(cfg.runtime.allocator)
     except AllocatorError as e:
         print(f"tandem: error: {e}", file=sys.stderr)
         return 2

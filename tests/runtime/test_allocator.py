@@ -100,3 +100,16 @@ def test_tandem_train_restarts_itself_under_tcmalloc_once_and_runs(tmp_path):
         assert out.returncode == 0, out.stderr[-2000:]
         assert f"host allocator: {expected}" in out.stderr, out.stderr[-2000:]
         assert out.stderr.count("restarting under") == (1 if expected != "glibc" else 0)
+
+
+@pytest.mark.skipif(TCMALLOC is None, reason="tcmalloc not fetched (make allocator: needs apt-get)")
+def test_a_program_calling_cli_main_is_never_restarted(tmp_path):
+    """main(["train", ...]) from another program (this test) runs in place: only the command's own
+    process may be restarted under another allocator."""
+    from tandem.cli import main
+    from tandem.runtime.allocator import active_allocator
+
+    before = active_allocator()
+    assert main(["train", "recipes/tiny/grpo-sync.yaml", "run.steps=1", "eval.sets=[]",
+                 "--run-dir", str(tmp_path / "run"), "--quiet"]) == 0
+    assert active_allocator() == before
