@@ -76,7 +76,7 @@ def child(name: str, steps: int, out: Path, overrides: list[str]) -> None:
         "name": name, "allocator": allocator, "peak_rss_mib": peak, "build_s": build_s, **state,
         "step_s": [r["time/step_s"] for r in rows], "sync_bytes": [r.get("sync/bytes", 0.0) for r in rows],
         "sync_s": [r.get("time/sync_s", 0.0) for r in rows], "reward": [r.get("reward/mean") for r in rows],
-        "tokens": sum(r.get("rollout/response_len_mean", 0.0) * r.get("rollout/samples", 0.0) for r in rows),
+        "tokens": [r.get("rollout/response_len_mean", 0.0) * r.get("rollout/samples", 0.0) for r in rows],
         "contract_max": max(r.get("train_rollout_logprob_abs_diff/max", 0.0) for r in rows),
     }), flush=True)
 
@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
         summary[name] = {
             "peak_rss_mib": _med([r["peak_rss_mib"] for r in rs]), "peak_rss_spread": _spread([r["peak_rss_mib"] for r in rs]),
             "s_per_step": _med(step), "s_per_step_spread": _spread(step),
-            "s_per_1k_tokens": _med([sum(r["step_s"][1:]) / max(r["tokens"], 1) * 1000 for r in rs]),
+            # the steps timed (the first left out) over the tokens those steps generated
+            "s_per_1k_tokens": _med([sum(r["step_s"][1:]) / max(sum(r["tokens"][1:]), 1) * 1000 for r in rs]),
             "sync_mib": _med([_med(r["sync_bytes"]) for r in rs]) / 2**20,
             "sync_s": _med([_med(r["sync_s"]) for r in rs]),
             "reward_first": _med([r["reward"][0] for r in rs]),
