@@ -289,7 +289,7 @@ def test_the_draft_head_distils_the_targets_distribution_from_a_replayed_window(
         assert engine.health()["spec_accepted"] > 0
         drafter._sweep()
         out = engine.model.lm_head.weight.detach().float()
-        for hidden, tokens, lse in drafter.buffer:
+        for hidden, _tokens, lse in drafter.buffer:
             torch.testing.assert_close(lse, torch.logsumexp(hidden @ out.T, dim=-1), rtol=1e-5, atol=1e-5)
         kept = sum(len(t) for _, t, _ in drafter.buffer)
         assert 300 <= kept < 300 + 24 + 1 and drafter.buffered == kept  # the newest 300+ of 2 x 8 x 24 rows
