@@ -7,7 +7,7 @@ docs/benchmarks.md "Host allocator"), glibc peaked at 7.8-8.2 GiB RSS for 3.6-3.
 jemalloc at 5.4 GiB, tcmalloc at 5.2 GiB (its anonymous peak equal to the live one) and with 20-35%
 shorter steps. ``auto`` takes tcmalloc, else jemalloc, else glibc; naming one that is not installed is
 an error. An allocator must be loaded before the interpreter starts, so `reexec_under` restarts the
-process (``os.execv`` of the same command line) with ``LD_PRELOAD`` naming the library, as PyTorch's
+process (``os.execve`` of the same command line) with ``LD_PRELOAD`` naming the library, as PyTorch's
 own CPU launcher does (``python -m torch.backends.xeon.run_cpu --enable-tcmalloc``); ``tandem train``
 does so right after reading the recipe. A library use of `tandem.runtime.loop.Run` cannot switch:
 it logs the allocator in use and how to preload one. The libraries are looked up in
@@ -128,7 +128,7 @@ def resolve_allocator(choice: str) -> tuple[str, Path | None]:
 def reexec_under(choice: str) -> str:
     """Restart this process under the allocator ``runtime.allocator = choice`` means, if it is not loaded.
 
-    Returns the allocator in use when no restart is needed (``os.execv`` does not return otherwise). The
+    Returns the allocator in use when no restart is needed (``os.execve`` does not return otherwise). The
     restart runs the same interpreter with the same arguments (``sys.orig_argv``) and ``LD_PRELOAD``
     extended by the library; it happens once at most (a marker in the environment).
     """
