@@ -33,6 +33,10 @@ class TorchEngineConfig:
     kv_cache_tokens: int | None = None  # KV-cache budget in tokens; None: max_num_seqs * max_model_len
     prefill_chunk: int = 512  # prompt tokens computed per step (the rest in later steps)
     deterministic: bool = False  # batch-invariant numerics (tandem.ops): exact rollout/train parity
+    # decode attention of the normal mode (CPU): "native" = tandem/ops/csrc/decode_attention.c, built with
+    # the system's C compiler on first use (tandem.ops.native); "torch" = two batched products; "auto" =
+    # native when it builds, else torch. The deterministic mode always uses its batch-invariant kernel.
+    decode_attention: Literal["auto", "native", "torch"] = "auto"
     num_threads: int | None = None  # torch intra-op threads (process-wide); None leaves torch's default
     seed: int = 0  # seeds the samplers of requests without their own seed
     pack_weights: bool = (
@@ -70,6 +74,8 @@ class TorchEngineConfig:
             raise ValueError(f"lora_max_rank={self.lora_max_rank} must be >= 1")
         if self.max_loras < 1:
             raise ValueError(f"max_loras={self.max_loras} must be >= 1")
+        if self.decode_attention not in ("auto", "native", "torch"):
+            raise ValueError(f"decode_attention={self.decode_attention!r} must be 'auto', 'native' or 'torch'")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda'")
 

@@ -73,6 +73,16 @@ __all__ = ["EngineAsleepError", "TorchEngine"]
 
 log = logging.getLogger(__name__)
 
+
+def _native_attention(config: TorchEngineConfig, device: torch.device):
+    """The native decode-attention library (tandem.ops.native) this engine uses, or None for torch's."""
+    if config.decode_attention == "torch" or device.type != "cpu" or config.deterministic:
+        return None
+    from tandem.ops import native
+
+    return native.load("decode_attention", required=config.decode_attention == "native")
+
+
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
     """Copy ``source`` into ``target`` in place. Same-dtype CPU tensors go through numpy: measured
     under load, 272 per-tensor torch ``copy_`` calls (each an OpenMP region) ran at 2.6 GB/s against
@@ -128,6 +138,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             device=device,
         )
         self.scheduler = Scheduler(num_slots, config.prefill_chunk)
+        self._native_attention = _native_attention(config, device)
         self._weights = dict(self.model.state_dict(keep_vars=True))  # HF names (tied alias included)
         # oneDNN-packed weight copies; the numerics mode of every step reads this dict
         self._packed: dict[int, torch.Tensor] = {}
@@ -339,6 +350,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             "kv_cache_bytes": self.cache.nbytes if self.cache.allocated else 0,
             "packed_weight_bytes": sum(w.numel() * w.element_size() for w in self._packed.values()),
             "deterministic": self.config.deterministic,
+            "decode_attention": "native" if self._native_attention is not None else "torch",
             "quantization": self.config.quantization.format if self.config.quantization else None,
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "device": str(self.cache.device),
@@ -507,6 +519,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             [s.length for s in plan.decode],
             [chunk for _, chunk in plan.prefill] + [chunk for _, chunk, _ in plan.verify],
             deterministic=self.config.deterministic,
+            native=self._native_attention,
         )
         wants_routing = any(s.request.params.return_routed_experts for s in plan.sequences)
         routing = MoERouting(self.model.args.moe_layers) if wants_routing else None

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tandem.ops import native
 from tandem.ops.batch_invariant import KEY_TILE, group_queries, invariant_attention, round_up, ungroup_queries
 
 __all__ = ["KVCache", "PrefillChunk", "StepAttention"]
@@ -99,8 +100,10 @@ class StepAttention:
         prefills: list[PrefillChunk],
         *,
         deterministic: bool,
+        native=None,
     ) -> None:
         self.cache, self.deterministic = cache, deterministic
+        self.native = native  # tandem.ops.native's library: decode rows through its kernel (normal mode)
         self.decode_slots, self.prefills = decode_slots, prefills
         self.num_decode = len(decode_slots)
         dev = cache.device
@@ -160,6 +163,8 @@ class StepAttention:
         if self.deterministic:
             limit = self.decode_limit[:, None].expand(span, hq // hkv)
             out = invariant_attention(grouped, keys, values, limit, scale)
+        elif self.native is not None and native.supports(grouped, keys):
+            out = native.decode_attention(self.native, grouped, keys, values, self.decode_limit, scale)
         else:
             out = _masked_attention(grouped, keys, values, self.decode_limit, scale)
         if not self.dense:

@@ -1,0 +1,183 @@
+"""Native CPU kernels: small C sources built with the system's C compiler on first use, called by ctypes.
+
+Why C and not torch ops. A decode step's attention is, per sequence and key head, a handful of query rows
+(the group's heads) against that sequence's keys: ``[G, D] x [D, L]`` then ``[G, L] x [L, D]``. torch runs
+that as two batched products of ``sequences x kv_heads`` tiny matrices, and oneDNN spends ~2 us of set-up
+per matrix on them (SmolLM2-135M, 64 sequences: 192 matrices per product, ~21 ms of a 103 ms decode step
+at ~14 GFLOP/s, docs/benchmarks.md). The loop below reads each key and value row once, straight from the
+cache slots, and keeps the scores of one (sequence, head) in a thread's buffer: it is bound by reading the
+keys and values, as decode attention should be. SDPA's CPU flash kernel does not help here: it costs
+~60 us per call and tiles for long query blocks.
+
+Build. `load()` compiles ``csrc/<name>.c`` with ``cc -O3 -march=native -fopenmp`` into the kernel cache
+(``$TANDEM_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/tandem/kernels``, else ``~/.cache/tandem/kernels``),
+under a name that hashes the source, the compiler's version and this CPU's flags, so a changed source,
+compiler or machine builds anew; the library is written to a temporary file and renamed into place
+(two processes building at once both succeed). OpenMP comes from the ``libgomp.so.1`` torch already
+loaded, so the kernel's threads are torch's threads (``torch.set_num_threads`` applies). Without a
+compiler, or when the build fails, `load()` returns None once with a logged reason, and callers keep
+their torch path. ``TANDEM_NATIVE_KERNELS=0`` turns every native kernel off.
+
+Numerics. Normal (non-deterministic) mode only: the sums run in a different order than oneDNN's, so
+results differ from the torch path by float rounding (~1e-6 relative in fp32). The deterministic mode's
+batch-invariant attention (`tandem.ops.batch_invariant`) is never replaced.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = ["NativeKernelError", "decode_attention", "kernel_cache_dir", "load", "native_enabled"]
+
+log = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).with_name("csrc")
+_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
+_MAX_GROUP, _MAX_HEAD_DIM = 16, 256  # the kernel's limits (csrc/decode_attention.c)
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL | None] = {}
+
+
+class NativeKernelError(RuntimeError):
+    """A native kernel that was asked for explicitly could not be built or loaded."""
+
+
+def native_enabled() -> bool:
+    return os.environ.get("TANDEM_NATIVE_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def kernel_cache_dir() -> Path:
+    env = os.environ.get("TANDEM_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "tandem" / "kernels"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def _build(name: str) -> Path:
+    """Compile ``csrc/<name>.c`` into the cache (or find it there); raises NativeKernelError."""
+    if not sys.platform.startswith("linux"):
+        raise NativeKernelError(f"native kernels are built on Linux only (this is {sys.platform})")
+    cc = _compiler()
+    if cc is None:
+        raise NativeKernelError("no C compiler found (cc, gcc, clang or $CC): install one, e.g. apt install gcc")
+    source = (_CSRC / f"{name}.c").read_bytes()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeKernelError(f"{cc} --version failed: {e}") from e
+    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode() + " ".join(_FLAGS).encode())
+    cache = kernel_cache_dir()
+    target = cache / f"lib{name}-{key.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise NativeKernelError(f"kernel cache {cache} is not writable: {e} (set TANDEM_KERNEL_CACHE)") from e
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=cache)
+    os.close(fd)
+    try:
+        cmd = [cc, *_FLAGS, str(_CSRC / f"{name}.c"), "-o", tmp, "-lm"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            raise NativeKernelError(f"building {name} failed ({' '.join(cmd)}):\n{done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
+    except subprocess.SubprocessError as e:
+        raise NativeKernelError(f"building {name} failed: {e}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    log.info("built native kernel %s: %s", name, target)
+    return target
+
+
+def load(name: str = "decode_attention", *, required: bool = False) -> ctypes.CDLL | None:
+    """The loaded library of kernel ``name``; None when native kernels are off or it cannot be built
+    (the reason is logged once), or NativeKernelError with the reason when ``required``."""
+    with _lock:
+        if name in _libs and (_libs[name] is not None or not required):
+            return _libs[name]
+        if not native_enabled():
+            reason = "TANDEM_NATIVE_KERNELS=0"
+            if required:
+                raise NativeKernelError(f"native kernel {name} asked for, but {reason}")
+            _libs[name] = None
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build(name)))
+        except (NativeKernelError, OSError) as e:
+            if required:
+                raise NativeKernelError(str(e)) from e
+            log.warning("native kernel %s unavailable, using the torch path: %s", name, e)
+            _libs[name] = None
+            return None
+        _bind(lib)
+        _libs[name] = lib
+        return lib
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    for fn in (lib.tandem_decode_attention_f32, lib.tandem_decode_attention_bf16):
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64,
+                       ctypes.c_float, i64]
+
+
+def supports(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `decode_attention` takes these shapes and dtypes (else use the torch path)."""
+    return (
+        q.device.type == "cpu" and keys.dtype in (torch.float32, torch.bfloat16)
+        and q.shape[2] <= _MAX_GROUP and q.shape[3] <= _MAX_HEAD_DIM
+    )
+
+
+def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                     limit: torch.Tensor, scale: float) -> torch.Tensor:
+    """``q [S, Hkv, G, D]`` over ``keys, values [S, Hkv, L, D]`` (strided views of the cache; the last
+    dimension contiguous), row ``s`` seeing keys ``< limit[s]`` (``1 <= limit[s]``) -> ``[S, Hkv, G, D]``
+    in the keys' dtype; softmax and sums in fp32."""
+    s, hkv, g, d = q.shape
+    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+        raise ValueError("decode_attention: keys and values need a contiguous last dimension")
+    if keys.dtype != values.dtype or keys.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"decode_attention: keys/values dtype {keys.dtype}/{values.dtype}: fp32 or bf16, equal")
+    qf = q.to(torch.float32).contiguous()
+    lim = limit.to(torch.int64).contiguous()
+    out = torch.empty(s, hkv, g, d, dtype=torch.float32)
+    fn = lib.tandem_decode_attention_f32 if keys.dtype == torch.float32 else lib.tandem_decode_attention_bf16
+    ks, vs = keys.stride(), values.stride()
+    rc = fn(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            lim.data_ptr(), out.data_ptr(), s, hkv, g, d, float(scale), keys.shape[2])
+    if rc != 0:
+        raise RuntimeError(f"native decode_attention failed (code {rc}: -1 shape over the limits, -2 no memory)")
+    return out if keys.dtype == torch.float32 else out.to(keys.dtype)

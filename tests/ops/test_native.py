@@ -1,0 +1,152 @@
+"""The native decode-attention kernel (tandem/ops/csrc/decode_attention.c): its build, its fallback, and
+its results against the torch path it replaces, alone and inside the embedded engine."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tandem.engines.inference.torch.kv_cache import _masked_attention
+from tandem.ops import native
+
+needs_native = pytest.mark.skipif(native.load() is None, reason="no C compiler: the torch path is used")
+
+
+def _case(s, hkv, g, d, slot_len, length, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cache_k = torch.randn(s + 2, hkv, slot_len, d, generator=gen).to(dtype)
+    cache_v = torch.randn(s + 2, hkv, slot_len, d, generator=gen).to(dtype)
+    q = torch.randn(s, hkv, g, d, generator=gen).to(dtype)
+    limit = torch.randint(1, length + 1, (s,), generator=gen)
+    limit[0] = length
+    # a strided view of the slot range, as StepAttention passes it
+    return q, cache_k[1 : s + 1, :, :length], cache_v[1 : s + 1, :, :length], limit
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("s,hkv,g,d,length", [(5, 3, 3, 64, 82), (1, 1, 1, 32, 1), (7, 2, 8, 128, 300), (4, 4, 1, 16, 9)])
+def test_matches_the_torch_path(dtype, tol, s, hkv, g, d, length):
+    q, keys, values, limit = _case(s, hkv, g, d, 512, length, dtype)
+    assert keys.stride(2) == d and keys.stride(1) == 512 * d  # slot rows of 512 positions, read in place
+    scale = d**-0.5
+    want = _masked_attention(q, keys, values, limit, scale)
+    got = native.decode_attention(native.load(), q, keys, values, limit, scale)
+    assert got.dtype == dtype and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@needs_native
+def test_each_row_sees_only_its_keys():
+    """Keys past a row's limit do not matter: poisoning them changes nothing (NaN would spread)."""
+    q, keys, values, limit = _case(6, 2, 3, 64, 128, 100, torch.float32, seed=1)
+    lib = native.load()
+    before = native.decode_attention(lib, q, keys, values, limit, 0.125)
+    for s, n in enumerate(limit.tolist()):
+        keys[s, :, n:] = float("nan")
+        values[s, :, n:] = float("inf")
+    after = native.decode_attention(lib, q, keys, values, limit, 0.125)
+    assert torch.equal(before, after) and torch.isfinite(after).all()
+
+
+@needs_native
+def test_rows_are_independent_of_the_batch():
+    """A row's result is the same bits alone or among others (each (sequence, head) is its own loop)."""
+    q, keys, values, limit = _case(8, 3, 3, 64, 256, 200, torch.float32, seed=2)
+    lib = native.load()
+    batch = native.decode_attention(lib, q, keys, values, limit, 0.125)
+    for s in (0, 5):
+        alone = native.decode_attention(lib, q[s : s + 1], keys[s : s + 1], values[s : s + 1], limit[s : s + 1], 0.125)
+        assert torch.equal(alone[0], batch[s])
+
+
+def test_shapes_over_the_limits_use_the_torch_path():
+    q = torch.zeros(2, 1, 17, 64)  # a group of 17 query heads per key head
+    assert not native.supports(q, torch.zeros(2, 1, 8, 64))
+    assert not native.supports(torch.zeros(2, 1, 2, 512), torch.zeros(2, 1, 8, 512))
+    assert not native.supports(torch.zeros(2, 1, 2, 64, dtype=torch.float16), torch.zeros(2, 1, 8, 64, dtype=torch.float16))
+    assert native.supports(torch.zeros(2, 3, 3, 64), torch.zeros(2, 3, 8, 64))
+
+
+@needs_native
+def test_refuses_a_non_contiguous_head_dimension():
+    q, keys, values, limit = _case(2, 1, 1, 8, 16, 4, torch.float32)
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        native.decode_attention(native.load(), q, keys.transpose(-1, -2), values, limit, 1.0)
+
+
+@needs_native
+def test_builds_into_the_cache_once(tmp_path, monkeypatch):
+    monkeypatch.setattr(native, "_libs", {})
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path / "kernels"))
+    assert native.load() is not None
+    built = list((tmp_path / "kernels").glob("libdecode_attention-*.so"))
+    assert len(built) == 1 and not list((tmp_path / "kernels").glob(".*"))  # no temporary left
+    mtime = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_libs", {})
+    assert native.load() is not None  # a new process would find it: no rebuild
+    assert built[0].stat().st_mtime_ns == mtime
+
+
+def test_a_broken_compiler_falls_back_or_fails_clearly(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(native, "_libs", {})
+    monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path))
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: no such luck' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    with caplog.at_level(logging.WARNING, logger="tandem.ops.native"):
+        assert native.load() is None  # auto: the torch path, with the reason logged
+    assert "using the torch path" in caplog.text and "no such luck" in caplog.text
+    with pytest.raises(native.NativeKernelError, match="no such luck"):
+        native.load(required=True)  # asked for explicitly: the reason, not a silent fallback
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setattr(native, "_libs", {})
+    monkeypatch.setenv("TANDEM_NATIVE_KERNELS", "0")
+    assert native.load() is None
+    with pytest.raises(native.NativeKernelError, match="TANDEM_NATIVE_KERNELS=0"):
+        native.load(required=True)
+
+
+def test_engine_config_refuses_an_unknown_choice():
+    from tandem.engines.inference.torch.config import TorchEngineConfig
+
+    with pytest.raises(ValueError, match="decode_attention='fast'"):
+        TorchEngineConfig(decode_attention="fast")
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 0.1)])
+def test_engine_decodes_the_same_with_either_attention(dtype, tol):
+    """Greedy decoding with native and torch decode attention: the same tokens in fp32, and the same
+    log-probs up to float rounding (bf16: up to the first token where rounding flips a near tie)."""
+    from tests.engines.torch_helpers import make_engine, prompts, requests
+
+    batch = prompts([5, 3, 9, 1, 17, 4], seed=3)
+    results, health = {}, {}
+    for mode in ("torch", "native"):
+        engine = make_engine("tiny-qwen3", dtype=dtype, decode_attention=mode)
+        health[mode] = engine.health()["decode_attention"]
+        results[mode] = engine.generate(requests(batch, temperature=0.0, max_new_tokens=40, seed=0))
+        engine.close()
+    assert health == {"torch": "torch", "native": "native"}
+    for a, b in zip(results["torch"], results["native"], strict=True):
+        ca, cb = a.completions[0], b.completions[0]
+        if dtype == "float32":
+            assert ca.token_ids == cb.token_ids
+        pairs = zip(ca.token_ids, cb.token_ids, strict=False)  # bf16 may diverge (and then end) at a tie
+        n = next((i for i, (x, y) in enumerate(pairs) if x != y), min(len(ca.token_ids), len(cb.token_ids)))
+        assert n > 0
+        torch.testing.assert_close(torch.tensor(cb.log_probs[:n]), torch.tensor(ca.log_probs[:n]), atol=tol, rtol=0)
+
+
+def test_deterministic_engine_keeps_its_invariant_attention():
+    from tests.engines.torch_helpers import make_engine
+
+    engine = make_engine(deterministic=True, decode_attention="auto")
+    assert engine.health()["decode_attention"] == "torch"  # the batch-invariant kernel, never replaced
+    engine.close()
