@@ -63,7 +63,7 @@ NUM_EXAMPLES = 2000
 PAGED = {"num_blocks": 64, "max_batch_tokens": 2048}
 
 
-def _tandem_cfg(a: dict, mode: str, ckpt: bool):
+def _tandem_cfg(a: dict, mode: str, ckpt: bool, allocator: str = "auto"):
     from tandem.config import from_dict
     from tandem.runtime.config import RunConfig
 
@@ -78,7 +78,7 @@ def _tandem_cfg(a: dict, mode: str, ckpt: bool):
                       **({"off_policy": {"mode": "tis"}} if mode != "sync" else {})},
         "trainer": {"fsdp": {"micro_batch_tokens": 4096, "optimizer": {"lr": a["lr"]},
                              "parallel": {"activation_checkpointing": ckpt}}},
-        "runtime": {"mode": mode},
+        "runtime": {"mode": mode, "allocator": allocator},
         "tracking": {"progress": False},
     })
 
@@ -117,6 +117,12 @@ def _wait_turn(conn) -> None:
     msg = conn.recv()
     if msg != "go":
         raise SystemExit(f"unexpected message {msg!r}")
+
+
+def active_allocator() -> str:
+    from tandem.runtime.allocator import active_allocator as active
+
+    return active()
 
 
 def _child(conn, side: str, a: dict) -> None:
@@ -195,7 +201,7 @@ def _trl_side(conn, side: str, a: dict) -> None:
         return completion_ids, logprobs
 
     trainer._generate_single_turn = counted
-    conn.send({"ready": True, "peak_rss_mib": _peak_rss_mib()})
+    conn.send({"ready": True, "peak_rss_mib": _peak_rss_mib(), "allocator": active_allocator()})
     _wait_turn(conn)  # the first turn holds trainer.train()'s preparation too (untimed)
     trainer.train()
     report()  # the last step's report waits for the trainer's teardown: nothing runs in the next turn
@@ -205,7 +211,8 @@ def _tandem_side(conn, side: str, a: dict) -> None:
     from tandem.runtime.loop import Run
 
     stepwise = side == "tandem"
-    run = Run(_tandem_cfg(a, "sync" if stepwise else "one_step_off", a["ckpt"]), os.path.join(a["workdir"], side))
+    run = Run(_tandem_cfg(a, "sync" if stepwise else "one_step_off", a["ckpt"], a["allocator"]),
+              os.path.join(a["workdir"], side))
     first_ids: list[list[int]] = []
     take, log, phase = run.data.next_prompts, run.tracker.log, run.phase
 
@@ -233,7 +240,7 @@ def _tandem_side(conn, side: str, a: dict) -> None:
         phase(step, name)
 
     run.data.next_prompts, run.tracker.log, run.phase = next_prompts, tracked, stepped
-    conn.send({"ready": True, "peak_rss_mib": _peak_rss_mib()})
+    conn.send({"ready": True, "peak_rss_mib": _peak_rss_mib(), "allocator": active_allocator()})
     _wait_turn(conn)
     run.train()
     conn.send(rows[-1])  # the last step's report waits for the final checkpoint and the run's teardown
@@ -242,15 +249,29 @@ def _tandem_side(conn, side: str, a: dict) -> None:
 # -- the parent: turns, figures ------------------------------------------------------------------------
 
 class Side:
+    """One side's process. It starts with ``a["allocator"]`` preloaded (``LD_PRELOAD`` at its exec, as
+    ``tandem train``'s restart does; ``glibc``: nothing preloaded)."""
+
     def __init__(self, name: str, a: dict, work: str) -> None:
-        self.name, self.steps, self.error, self.peak_rss = name, [], None, 0.0
+        self.name, self.steps, self.error, self.peak_rss, self.allocator = name, [], None, 0.0, None
         os.makedirs(work, exist_ok=True)
         self.log = os.path.join(work, f"{name}.log")
         ctx = mp.get_context("spawn")
         self.conn, child = ctx.Pipe()
         args = a | {"log": self.log, "workdir": os.path.join(work, name)}
         self.proc = ctx.Process(target=_child, args=(child, name.split("-")[0], args), daemon=True)
-        self.proc.start()
+        saved = os.environ.get("LD_PRELOAD")
+        library = _allocator_library(a["allocator"])
+        if library:  # spawn execs the interpreter with this process's environment
+            os.environ["LD_PRELOAD"] = library
+        try:
+            self.proc.start()
+        finally:
+            if library:
+                if saved is None:
+                    os.environ.pop("LD_PRELOAD", None)
+                else:
+                    os.environ["LD_PRELOAD"] = saved
         child.close()
 
     def recv(self, timeout_s: float = 3600) -> dict:
@@ -260,6 +281,7 @@ class Side:
         if "error" in msg:
             raise RuntimeError(msg["error"])
         self.peak_rss = max(self.peak_rss, msg.get("peak_rss_mib", 0.0))
+        self.allocator = msg.get("allocator", self.allocator)
         return msg
 
     def fail(self, e: BaseException) -> None:
@@ -277,6 +299,14 @@ class Side:
         self.proc.join(60)
         if self.proc.is_alive():
             self.proc.kill()
+
+
+def _allocator_library(name: str) -> str | None:
+    """The library to preload for allocator ``name`` (None for glibc); an error when it is not installed."""
+    from tandem.runtime.allocator import resolve_allocator
+
+    _, path = resolve_allocator(name)
+    return str(path) if path else None
 
 
 def _start(names: list[str], a: dict, work: str) -> list[Side]:
@@ -323,7 +353,7 @@ def _summary(side: Side, drop_first: int, drop_last: int = 0) -> dict:
            "s_per_step_min_max": [round(min(times), 2), round(max(times), 2)], "timed_steps": len(rows),
            "tokens_per_step": round(statistics.mean(r["tokens"] for r in rows), 1),
            "mean_completion_len": round(sum(r["tokens"] for r in rows) / sum(r["completions"] for r in rows), 2),
-           "s_per_1k_tokens": round(per_1k, 2), "peak_rss_mib": round(side.peak_rss)}
+           "s_per_1k_tokens": round(per_1k, 2), "peak_rss_mib": round(side.peak_rss), "allocator": side.allocator}
     rewards = [r["reward_mean"] for r in rows if r.get("reward_mean") is not None]
     if rewards:
         out["reward_mean"] = round(statistics.mean(rewards), 3)
@@ -349,25 +379,40 @@ def main() -> None:
     p.add_argument("--checkpointing", default="off,on", help="activation checkpointing on both sides: off, on or both")
     p.add_argument("--no-paged", action="store_true", help="skip TRL's continuous-batching (paged) baseline")
     p.add_argument("--no-one-step-off", action="store_true")
+    p.add_argument("--allocator", default="auto",
+                   help="host allocator of both sides' processes in every pair (auto: what `tandem train` uses)")
+    p.add_argument("--also-allocator", default="glibc",
+                   help="one more checkpointing-off pair with both sides on this allocator ('none': skip)")
     args = p.parse_args()
     settings = [s.strip() for s in args.checkpointing.split(",") if s.strip()]
     if not settings or any(s not in ("off", "on") for s in settings):
         p.error("--checkpointing takes off, on or off,on")
+    from tandem.runtime.allocator import AllocatorError, resolve_allocator
+
+    try:  # auto -> the name; a named one that is not installed is refused here, not in a child
+        allocator = resolve_allocator(args.allocator)[0]
+        also = None if args.also_allocator == "none" else resolve_allocator(args.also_allocator)[0]
+    except AllocatorError as e:
+        p.error(str(e))
     base = {"prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens, "lr": args.lr,
-            "total": args.warmup + args.steps}
+            "total": args.warmup + args.steps, "allocator": allocator}
     work = tempfile.mkdtemp(prefix="tandem-vs-trl-")
     load = os.getloadavg()[0]
     t_start = time.perf_counter()
     result: dict = {"model": MODEL, "prompts": args.prompts, "group": args.group,
-                    "max_new_tokens": args.max_new_tokens, "warmup_steps": args.warmup, "timed_steps": args.steps}
+                    "max_new_tokens": args.max_new_tokens, "warmup_steps": args.warmup, "timed_steps": args.steps,
+                    "allocator": allocator}
     try:
-        # (key suffix, TRL side, checkpointing): two sides alive at a time (three would not fit in 23 GB)
-        pairs = [(sfx, kind, ckpt) for sfx, kind, ckpt in
-                 (("", "trl", "off"), ("_paged", "trl_paged", "off"), ("_ckpt_on", "trl", "on"))
-                 if ckpt in settings and not (kind == "trl_paged" and args.no_paged)]
+        # (key suffix, TRL side, checkpointing, allocator of both): two sides alive at a time (three would
+        # not fit in 23 GB)
+        pairs = [(sfx, kind, ckpt, alloc) for sfx, kind, ckpt, alloc in
+                 (("", "trl", "off", allocator), (f"_{also}", "trl", "off", also),
+                  ("_paged", "trl_paged", "off", allocator), ("_ckpt_on", "trl", "on", allocator))
+                 if ckpt in settings and alloc and not (kind == "trl_paged" and args.no_paged)
+                 and not (sfx == f"_{also}" and also == allocator)]
         same: list[bool] = []
-        for sfx, kind, ckpt in pairs:
-            a = base | {"ckpt": ckpt == "on"}
+        for sfx, kind, ckpt, alloc in pairs:
+            a = base | {"ckpt": ckpt == "on", "allocator": alloc}
             ref, tan = _rounds([f"{kind}-{ckpt}", f"tandem-{ckpt}"], a, os.path.join(work, kind + sfx))
             for key, side in ((f"trl{sfx}", ref), (f"tandem{sfx}", tan)):
                 if side.error:
@@ -402,7 +447,8 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     result |= {"load_avg_start": round(load, 2), "load_avg_end": round(os.getloadavg()[0], 2),
                "wall_min": round((time.perf_counter() - t_start) / 60, 1)}
-    for sfx, what in (("", "checkpointing off"), ("_paged", "TRL paged, ckpt off"), ("_ckpt_on", "checkpointing on")):
+    for sfx, what in (("", f"checkpointing off, {allocator}"), ("_paged", "TRL paged, ckpt off"),
+                      ("_ckpt_on", "checkpointing on"), (f"_{also}", f"checkpointing off, {also}")):
         t, r = result.get(f"tandem{sfx}"), result.get(f"trl{sfx}")
         if t and r:
             print(f"{what}: TRL {r['s_per_step']:.1f} s/step ({r['s_per_1k_tokens']:.1f} s/1k tok)  "
