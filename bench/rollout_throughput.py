@@ -106,13 +106,15 @@ def spread(times: list[float]) -> float:
     return round((max(times) - min(times)) / statistics.median(times), 3)
 
 
-def make_engine(dtype: str, deterministic: bool, threads: int, max_seqs: int) -> TorchEngine:
+def make_engine(dtype: str, deterministic: bool, threads: int, max_seqs: int,
+                decode_attention: str = "auto") -> TorchEngine:
     cfg = TorchEngineConfig(
         model=ModelConfig(name=MODEL, dtype=dtype),
         max_num_seqs=max_seqs,
         max_model_len=512,
         deterministic=deterministic,
         num_threads=threads,
+        decode_attention=decode_attention,
     )
     engine = TorchEngine(cfg)
     run_tandem(engine, make_prompts(2), 4)  # warm-up
@@ -207,18 +209,29 @@ def run_vllm_section(prompts: list[list[int]], new_tokens: int, dtype: str, thre
     engine = VLLMEngine(VLLMEngineConfig(model=ModelConfig(name=MODEL, dtype=dtype), max_model_len=512,
                                          engine_kwargs={"max_num_seqs": len(prompts), "kv_cache_memory_bytes": 512 << 20}))
     out[f"vllm_start_s_{dtype}"] = round(time.perf_counter() - start, 1)
-    embedded = make_engine(dtype, False, threads, len(prompts))
+    embedded = make_engine(dtype, False, threads, len(prompts))  # the default path (decode_attention auto)
+    # the same engine with torch's decode attention: what the native kernel changes, in the same rounds
+    plain = make_engine(dtype, False, threads, len(prompts), decode_attention="torch")
+    out["decode_attention"] = embedded.health()["decode_attention"]
     try:
         run_tandem(engine, prompts[:2], 4)  # warm-up
         times = alternate({"vllm": lambda: run_tandem(engine, prompts, new_tokens),
-                           "embedded": lambda: run_tandem(embedded, prompts, new_tokens)}, repeats)
+                           "embedded": lambda: run_tandem(embedded, prompts, new_tokens),
+                           "torch_attention": lambda: run_tandem(plain, prompts, new_tokens)}, repeats)
         embedded.close()
+        plain.close()
         tokens = len(prompts) * new_tokens
         tok_s, tandem_tok_s = tokens / med(times["vllm"]), tokens / med(times["embedded"])
         out[f"vllm_tok_s_{dtype}"] = round(tok_s, 1)
         out[f"embedded_tok_s_{dtype}"] = round(tandem_tok_s, 1)
         out[f"vllm_spread_{dtype}"], out[f"embedded_spread_{dtype}"] = spread(times["vllm"]), spread(times["embedded"])
         out[f"embedded_over_vllm_{dtype}"] = round(tandem_tok_s / tok_s, 2)
+        plain_tok_s = tokens / med(times["torch_attention"])
+        out[f"embedded_torch_attention_tok_s_{dtype}"] = round(plain_tok_s, 1)
+        out[f"embedded_torch_attention_spread_{dtype}"] = spread(times["torch_attention"])
+        out[f"torch_attention_over_vllm_{dtype}"] = round(plain_tok_s / tok_s, 2)
+        print(f"{dtype:<5} {len(prompts):>2} seqs: embedded with torch's decode attention {plain_tok_s:7.1f} tok/s "
+              f"(spread {spread(times['torch_attention'])})   / vLLM x{plain_tok_s / tok_s:.2f}")
         print(f"{dtype:<5} {len(prompts):>2} seqs: vLLM adapter {tok_s:7.1f} tok/s (spread {spread(times['vllm'])})   "
               f"embedded {tandem_tok_s:7.1f} (spread {spread(times['embedded'])})   embedded / vLLM "
               f"x{tandem_tok_s / tok_s:.2f}")
@@ -237,6 +250,7 @@ def run_vllm_section(prompts: list[list[int]], new_tokens: int, dtype: str, thre
     finally:
         engine.close()
         embedded.close()
+        plain.close()
     return out
 
 
