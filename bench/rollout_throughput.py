@@ -13,7 +13,8 @@ between vLLM's log-probs and the FSDP2 trainer's.
 
     .venv/bin/python bench/rollout_throughput.py            # full run (a few minutes on 2 cores)
     .venv/bin/python bench/rollout_throughput.py --quick    # 8 sequences x 32 tokens, fp32 only
-    .venv-vllm/bin/python bench/rollout_throughput.py --batches 16,64 --new-tokens 64   # with vLLM (~3 min)
+    .venv-vllm/bin/python bench/rollout_throughput.py --batches 16,64 --new-tokens 64   # with vLLM (~15 min)
+    .venv/bin/python bench/rollout_throughput.py --attention-ab 32x400   # native vs torch decode attention only
 
 Throughput counts generated tokens (every side generates exactly ``--new-tokens`` per sequence,
 asserted) over the wall time of the whole call (prefill included).
@@ -254,6 +255,50 @@ def run_vllm_section(prompts: list[list[int]], new_tokens: int, dtype: str, thre
     return out
 
 
+def attention_ab(spec: str, dtype: str, threads: int, repeats: int) -> dict:
+    """The embedded engine with native vs torch decode attention (``decode_attention``), alternating on
+    the same work (``spec`` = ``SEQSxNEW``, e.g. ``32x400``): tokens/s, and the decode attention's own
+    time per engine step (``StepAttention._decode`` timed around its call)."""
+    from tandem.engines.inference.torch import kv_cache
+
+    seqs, new = (int(x) for x in spec.lower().split("x"))
+    prompts = make_prompts(seqs)
+    spent = {"s": 0.0}
+    original = kv_cache.StepAttention._decode
+
+    def timed(self, *a):
+        t0 = time.perf_counter()
+        try:
+            return original(self, *a)
+        finally:
+            spent["s"] += time.perf_counter() - t0
+
+    kv_cache.StepAttention._decode = timed
+    engines = {m: make_engine(dtype, False, threads, seqs, decode_attention=m) for m in ("native", "torch")}
+    rows: dict[str, list[tuple[float, float]]] = {m: [] for m in engines}
+    try:
+        if engines["native"].health()["decode_attention"] != "native":
+            return {"attention_ab": "native kernel unavailable (no C compiler?)"}
+        for _ in range(repeats):
+            for mode, engine in engines.items():
+                spent["s"], steps0 = 0.0, engine.health()["steps"]
+                wall = run_tandem(engine, prompts, new)
+                rows[mode].append((wall, spent["s"] / (engine.health()["steps"] - steps0)))
+    finally:
+        kv_cache.StepAttention._decode = original
+        for engine in engines.values():
+            engine.close()
+    out = {}
+    for mode, rs in rows.items():
+        walls = [w for w, _ in rs]
+        out[mode] = {"tok_s": round(seqs * new / med(walls), 1), "spread": spread(walls),
+                     "decode_attention_ms_per_step": round(1e3 * med([a for _, a in rs]), 2)}
+        print(f"{dtype:<5} {seqs} seqs x {new} tokens, {mode:>6} decode attention: {out[mode]['tok_s']:7.1f} tok/s "
+              f"(spread {out[mode]['spread']}), attention {out[mode]['decode_attention_ms_per_step']} ms per step")
+    out["native_over_torch"] = round(out["native"]["tok_s"] / out["torch"]["tok_s"], 3)
+    return {"attention_ab": {"seqs": seqs, "new_tokens": new, "dtype": dtype, **out}}
+
+
 def _checkpoint() -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -292,7 +337,17 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="alternating rounds per comparison (median reported)")
     ap.add_argument("--no-bf16", action="store_true", help="skip the bfloat16 figures")
     ap.add_argument("--quick", action="store_true", help="8 sequences x 32 tokens, fp32 only")
+    ap.add_argument("--attention-ab", metavar="SEQSxNEW",
+                    help="only compare native vs torch decode attention on this work (e.g. 32x400), fp32 and bf16")
     args = ap.parse_args()
+    if args.attention_ab:
+        torch.set_num_threads(args.threads)
+        result = {"model": MODEL, "repeats": args.repeats, "load_avg_start": round(os.getloadavg()[0], 2)}
+        for dtype in ("float32",) if args.no_bf16 else ("float32", "bfloat16"):
+            result[dtype] = attention_ab(args.attention_ab, dtype, args.threads, args.repeats)["attention_ab"]
+        result["load_avg_end"] = round(os.getloadavg()[0], 2)
+        print("RESULT " + json.dumps(result))
+        return
     if args.quick:
         args.batches, args.new_tokens, args.no_bf16 = "8", 32, True
     batches = [int(b) for b in args.batches.split(",")]
