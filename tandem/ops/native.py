@@ -13,7 +13,9 @@ Build. `load()` compiles ``csrc/<name>.c`` with ``cc -O3 -march=native -fopenmp`
 (``$TANDEM_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/tandem/kernels``, else ``~/.cache/tandem/kernels``),
 under a name that hashes the source, the compiler's version and this CPU's flags, so a changed source,
 compiler or machine builds anew; the library is written to a temporary file and renamed into place
-(two processes building at once both succeed). OpenMP comes from the ``libgomp.so.1`` torch already
+(two processes building at once both succeed). The cache holds code Tandem loads and runs: it is created
+private to the user (mode 0700); point ``TANDEM_KERNEL_CACHE`` only at a folder nobody else can write.
+OpenMP comes from the ``libgomp.so.1`` torch already
 loaded, so the kernel's threads are torch's threads (``torch.set_num_threads`` applies). Without a
 compiler, or when the build fails, `load()` returns None once with a logged reason, and callers keep
 their torch path. ``TANDEM_NATIVE_KERNELS=0`` turns every native kernel off.
@@ -100,7 +102,7 @@ def _build(name: str) -> Path:
     if target.is_file():
         return target
     try:
-        cache.mkdir(parents=True, exist_ok=True)
+        cache.mkdir(mode=0o700, parents=True, exist_ok=True)  # it holds code this process loads: the user's own
     except OSError as e:
         raise NativeKernelError(f"kernel cache {cache} is not writable: {e} (set TANDEM_KERNEL_CACHE)") from e
     fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=cache)
@@ -149,35 +151,41 @@ def _bind(lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     for fn in (lib.tandem_decode_attention_f32, lib.tandem_decode_attention_bf16):
         fn.restype = ctypes.c_int
-        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, i64,
+        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64,
                        ctypes.c_float, i64]
 
 
-def supports(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether `decode_attention` takes these shapes and dtypes (else use the torch path)."""
-    return (
-        q.device.type == "cpu" and keys.dtype in (torch.float32, torch.bfloat16)
-        and q.shape[2] <= _MAX_GROUP and q.shape[3] <= _MAX_HEAD_DIM
-    )
+def supports(group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether `decode_attention` takes ``group`` query heads per key head of ``head_dim`` in ``dtype``."""
+    return (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)
+            and 1 <= group <= _MAX_GROUP and 1 <= head_dim <= _MAX_HEAD_DIM)
 
 
-def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                     limit: torch.Tensor, scale: float) -> torch.Tensor:
-    """``q [S, Hkv, G, D]`` over ``keys, values [S, Hkv, L, D]`` (strided views of the cache; the last
-    dimension contiguous), row ``s`` seeing keys ``< limit[s]`` (``1 <= limit[s]``) -> ``[S, Hkv, G, D]``
-    in the keys' dtype; softmax and sums in fp32."""
-    s, hkv, g, d = q.shape
-    if keys.stride(-1) != 1 or values.stride(-1) != 1:
+def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
+                     slots: torch.Tensor, limit: torch.Tensor, scale: float, max_len: int | None = None) -> torch.Tensor:
+    """Row ``r`` of ``q [R, Hkv, G, D]`` attends over slot ``slots[r]`` of ``cache_k, cache_v [slots, Hkv, L,
+    D]`` (one layer of the cache, or a strided view of it; the last dimension contiguous), positions
+    ``< limit[r]`` (``1 <= limit[r] <= max_len <= L``) -> ``[R, Hkv, G, D]`` in the cache's dtype; scores,
+    softmax and sums in fp32. ``slots`` and ``limit`` are int64 CPU tensors; ``max_len`` defaults to the
+    largest limit (it sizes the threads' score buffers)."""
+    r, hkv, g, d = q.shape
+    if cache_k.stride(-1) != 1 or cache_v.stride(-1) != 1:
         raise ValueError("decode_attention: keys and values need a contiguous last dimension")
-    if keys.dtype != values.dtype or keys.dtype not in (torch.float32, torch.bfloat16):
-        raise ValueError(f"decode_attention: keys/values dtype {keys.dtype}/{values.dtype}: fp32 or bf16, equal")
+    if cache_k.dtype != cache_v.dtype or cache_k.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"decode_attention: keys/values dtype {cache_k.dtype}/{cache_v.dtype}: fp32 or bf16, equal")
+    if slots.dtype != torch.int64 or limit.dtype != torch.int64 or len(slots) != r or len(limit) != r:
+        raise ValueError(f"decode_attention: slots and limit must be int64 with {r} entries")
+    if max_len is None:
+        max_len = int(limit.max()) if r else 1
+    if max_len > cache_k.shape[2]:
+        raise ValueError(f"decode_attention: max_len={max_len} exceeds the {cache_k.shape[2]} cached positions")
     qf = q.to(torch.float32).contiguous()
-    lim = limit.to(torch.int64).contiguous()
-    out = torch.empty(s, hkv, g, d, dtype=torch.float32)
-    fn = lib.tandem_decode_attention_f32 if keys.dtype == torch.float32 else lib.tandem_decode_attention_bf16
-    ks, vs = keys.stride(), values.stride()
-    rc = fn(qf.data_ptr(), keys.data_ptr(), values.data_ptr(), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-            lim.data_ptr(), out.data_ptr(), s, hkv, g, d, float(scale), keys.shape[2])
+    slots, limit = slots.contiguous(), limit.contiguous()
+    out = torch.empty(r, hkv, g, d, dtype=torch.float32)
+    fn = lib.tandem_decode_attention_f32 if cache_k.dtype == torch.float32 else lib.tandem_decode_attention_bf16
+    ks, vs = cache_k.stride(), cache_v.stride()
+    rc = fn(qf.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
+            slots.data_ptr(), limit.data_ptr(), out.data_ptr(), r, hkv, g, d, float(scale), max_len)
     if rc != 0:
         raise RuntimeError(f"native decode_attention failed (code {rc}: -1 shape over the limits, -2 no memory)")
-    return out if keys.dtype == torch.float32 else out.to(keys.dtype)
+    return out if cache_k.dtype == torch.float32 else out.to(cache_k.dtype)

@@ -8,73 +8,106 @@ import logging
 import pytest
 import torch
 
-from tandem.engines.inference.torch.kv_cache import _masked_attention
+from tandem.engines.inference.torch.kv_cache import _masked_attention, _small_chunk_attention
 from tandem.ops import native
 
 needs_native = pytest.mark.skipif(native.load() is None, reason="no C compiler: the torch path is used")
 
 
 def _case(s, hkv, g, d, slot_len, length, dtype, seed=0):
+    """A cache of ``s + 2`` slots; decode rows in slots 1 .. s (keys ``< limit``); the torch path's view."""
     gen = torch.Generator().manual_seed(seed)
     cache_k = torch.randn(s + 2, hkv, slot_len, d, generator=gen).to(dtype)
     cache_v = torch.randn(s + 2, hkv, slot_len, d, generator=gen).to(dtype)
     q = torch.randn(s, hkv, g, d, generator=gen).to(dtype)
     limit = torch.randint(1, length + 1, (s,), generator=gen)
     limit[0] = length
-    # a strided view of the slot range, as StepAttention passes it
-    return q, cache_k[1 : s + 1, :, :length], cache_v[1 : s + 1, :, :length], limit
+    return q, cache_k, cache_v, torch.arange(1, s + 1), limit
+
+
+def _view(cache, s, length):  # the strided view of slots 1 .. s the torch path reads
+    return cache[1 : s + 1, :, :length]
 
 
 @needs_native
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("s,hkv,g,d,length", [(5, 3, 3, 64, 82), (1, 1, 1, 32, 1), (7, 2, 8, 128, 300), (4, 4, 1, 16, 9)])
 def test_matches_the_torch_path(dtype, tol, s, hkv, g, d, length):
-    q, keys, values, limit = _case(s, hkv, g, d, 512, length, dtype)
-    assert keys.stride(2) == d and keys.stride(1) == 512 * d  # slot rows of 512 positions, read in place
+    q, cache_k, cache_v, slots, limit = _case(s, hkv, g, d, 512, length, dtype)
     scale = d**-0.5
-    want = _masked_attention(q, keys, values, limit, scale)
-    got = native.decode_attention(native.load(), q, keys, values, limit, scale)
+    want = _masked_attention(q, _view(cache_k, s, length), _view(cache_v, s, length), limit, scale)
+    got = native.decode_attention(native.load(), q, cache_k, cache_v, slots, limit, scale)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    # rows in any order of slots (decode rows are not always the slot order): the same per row
+    perm = torch.randperm(s)
+    got_perm = native.decode_attention(native.load(), q[perm], cache_k, cache_v, slots[perm], limit[perm], scale)
+    assert torch.equal(got_perm, got[perm])
+
+
+@needs_native
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("start,n", [(0, 1), (0, 5), (37, 5), (100, 16)])
+def test_chunk_rows_match_the_small_chunk_path(dtype, tol, start, n):
+    """A short chunk (a speculative verification, a sibling's last prompt token) as rows of one slot with
+    causal limits ``start + i + 1`` equals `_small_chunk_attention`."""
+    hkv, g, d = 3, 3, 64
+    gen = torch.Generator().manual_seed(start + n)
+    cache_k = torch.randn(4, hkv, 256, d, generator=gen).to(dtype)
+    cache_v = torch.randn(4, hkv, 256, d, generator=gen).to(dtype)
+    q = torch.randn(n, hkv * g, d, generator=gen).to(dtype)
+    end = start + n
+    want = _small_chunk_attention(q, cache_k[2, :, :end], cache_v[2, :, :end], start, d**-0.5)
+    got = native.decode_attention(native.load(), q.view(n, hkv, g, d), cache_k, cache_v, torch.full((n,), 2),
+                                  torch.arange(start + 1, end + 1), d**-0.5)
+    torch.testing.assert_close(got.view(n, hkv * g, d).float(), want.float(), atol=tol, rtol=tol)
 
 
 @needs_native
 def test_each_row_sees_only_its_keys():
     """Keys past a row's limit do not matter: poisoning them changes nothing (NaN would spread)."""
-    q, keys, values, limit = _case(6, 2, 3, 64, 128, 100, torch.float32, seed=1)
+    q, cache_k, cache_v, slots, limit = _case(6, 2, 3, 64, 128, 100, torch.float32, seed=1)
     lib = native.load()
-    before = native.decode_attention(lib, q, keys, values, limit, 0.125)
-    for s, n in enumerate(limit.tolist()):
-        keys[s, :, n:] = float("nan")
-        values[s, :, n:] = float("inf")
-    after = native.decode_attention(lib, q, keys, values, limit, 0.125)
+    before = native.decode_attention(lib, q, cache_k, cache_v, slots, limit, 0.125)
+    for s, n in zip(slots.tolist(), limit.tolist(), strict=True):
+        cache_k[s, :, n:] = float("nan")
+        cache_v[s, :, n:] = float("inf")
+    cache_k[0], cache_v[-1] = float("nan"), float("nan")  # slots no row reads
+    after = native.decode_attention(lib, q, cache_k, cache_v, slots, limit, 0.125)
     assert torch.equal(before, after) and torch.isfinite(after).all()
 
 
 @needs_native
 def test_rows_are_independent_of_the_batch():
     """A row's result is the same bits alone or among others (each (sequence, head) is its own loop)."""
-    q, keys, values, limit = _case(8, 3, 3, 64, 256, 200, torch.float32, seed=2)
+    q, cache_k, cache_v, slots, limit = _case(8, 3, 3, 64, 256, 200, torch.float32, seed=2)
     lib = native.load()
-    batch = native.decode_attention(lib, q, keys, values, limit, 0.125)
+    batch = native.decode_attention(lib, q, cache_k, cache_v, slots, limit, 0.125)
     for s in (0, 5):
-        alone = native.decode_attention(lib, q[s : s + 1], keys[s : s + 1], values[s : s + 1], limit[s : s + 1], 0.125)
+        one = slice(s, s + 1)
+        alone = native.decode_attention(lib, q[one], cache_k, cache_v, slots[one], limit[one], 0.125)
         assert torch.equal(alone[0], batch[s])
 
 
 def test_shapes_over_the_limits_use_the_torch_path():
-    q = torch.zeros(2, 1, 17, 64)  # a group of 17 query heads per key head
-    assert not native.supports(q, torch.zeros(2, 1, 8, 64))
-    assert not native.supports(torch.zeros(2, 1, 2, 512), torch.zeros(2, 1, 8, 512))
-    assert not native.supports(torch.zeros(2, 1, 2, 64, dtype=torch.float16), torch.zeros(2, 1, 8, 64, dtype=torch.float16))
-    assert native.supports(torch.zeros(2, 3, 3, 64), torch.zeros(2, 3, 8, 64))
+    cpu = torch.device("cpu")
+    assert not native.supports(17, 64, torch.float32, cpu)  # a group of 17 query heads per key head
+    assert not native.supports(2, 512, torch.float32, cpu)
+    assert not native.supports(2, 64, torch.float16, cpu)
+    assert not native.supports(2, 64, torch.float32, torch.device("meta"))
+    assert native.supports(3, 64, torch.float32, cpu) and native.supports(8, 128, torch.bfloat16, cpu)
 
 
 @needs_native
-def test_refuses_a_non_contiguous_head_dimension():
-    q, keys, values, limit = _case(2, 1, 1, 8, 16, 4, torch.float32)
+def test_refuses_bad_arguments():
+    q, cache_k, cache_v, slots, limit = _case(2, 1, 1, 8, 16, 4, torch.float32)
+    lib = native.load()
     with pytest.raises(ValueError, match="contiguous last dimension"):
-        native.decode_attention(native.load(), q, keys.transpose(-1, -2), values, limit, 1.0)
+        native.decode_attention(lib, q, cache_k.transpose(-1, -2), cache_v, slots, limit, 1.0)
+    with pytest.raises(ValueError, match="max_len=17 exceeds the 16 cached positions"):
+        native.decode_attention(lib, q, cache_k, cache_v, slots, torch.tensor([4, 17]), 1.0)
+    with pytest.raises(ValueError, match="int64 with 2 entries"):
+        native.decode_attention(lib, q, cache_k, cache_v, slots.int(), limit, 1.0)
 
 
 @needs_native

@@ -1,11 +1,13 @@
-/* Decode attention over Tandem's slot KV cache (tandem/ops/native.py builds and calls this).
+/* Attention of single query rows over Tandem's slot KV cache (tandem/ops/native.py builds and calls this).
  *
- * One query token per sequence, grouped-query heads: for sequence s and key head h, the G query rows
- * q[s, h, :, :] attend over keys/values (s, h, j, :) for j < limit[s]. Keys and values are read in place
- * from the cache: element (s, h, j, d) lies at base + s*ss + h*sh + j*sl + d (the head dimension is
- * contiguous). q and out are contiguous [S, H, G, D] fp32; keys/values fp32 or bf16; softmax in fp32.
- * Work is split over (s, h) pairs with OpenMP (torch's libgomp, torch's thread count). Each thread keeps
- * the scores of one pair, G x limit floats, in a buffer of G x max_len.
+ * R query rows (a decode token per sequence, or the rows of a short prompt / verification chunk), with
+ * grouped-query heads: for row r and key head h, the G query rows q[r, h, :, :] attend over the keys and
+ * values of slot slot[r], positions j < limit[r] (a chunk's row i sees its own position: limit = start +
+ * i + 1). Keys and values are read in place from the cache: element (slot, h, j, d) lies at
+ * base + slot*k_s + h*k_h + j*k_l + d (the head dimension is contiguous). q and out are contiguous
+ * [R, H, G, D] fp32; keys/values fp32 or bf16; softmax in fp32. Work is split over (r, h) pairs with
+ * OpenMP (torch's libgomp, torch's thread count). Each thread keeps the scores of one pair, G x limit
+ * floats, in a buffer of G x max_len (max_len >= every limit).
  *
  * Returns 0, -1 when G or D exceed the limits below, -2 when a thread's buffer cannot be allocated.
  */
@@ -29,8 +31,8 @@ static inline float bf16_to_f32(uint16_t x) {
 
 #define DECODE_ATTENTION(NAME, T, LOAD)                                                               \
     int NAME(const float *q, const T *k, const T *v, int64_t k_s, int64_t k_h, int64_t k_l,          \
-             int64_t v_s, int64_t v_h, int64_t v_l, const int64_t *limit, float *out, int64_t S,     \
-             int64_t H, int64_t G, int64_t D, float scale, int64_t max_len) {                        \
+             int64_t v_s, int64_t v_h, int64_t v_l, const int64_t *slot, const int64_t *limit,       \
+             float *out, int64_t S, int64_t H, int64_t G, int64_t D, float scale, int64_t max_len) {  \
         if (G < 1 || G > MAX_GROUP || D < 1 || D > MAX_HEAD_DIM) return -1;                          \
         int status = 0;                                                                              \
         _Pragma("omp parallel")                                                                      \
@@ -49,7 +51,7 @@ static inline float bf16_to_f32(uint16_t x) {
                 memset(o, 0, sizeof(float) * (size_t)(G * D));                                       \
                 if (n <= 0) continue;                                                                \
                 const float *qq = q + pair * G * D;                                                  \
-                const T *kk = k + s * k_s + h * k_h, *vv = v + s * v_s + h * v_h;                     \
+                const T *kk = k + slot[s] * k_s + h * k_h, *vv = v + slot[s] * v_s + h * v_h;         \
                 float m[MAX_GROUP], inv[MAX_GROUP];                                                  \
                 for (int64_t g = 0; g < G; ++g) m[g] = -FLT_MAX;                                     \
                 for (int64_t j = 0; j < n; ++j) { /* scores: each key row read once for the group */ \

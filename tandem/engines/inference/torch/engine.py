@@ -519,7 +519,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             [s.length for s in plan.decode],
             [chunk for _, chunk in plan.prefill] + [chunk for _, chunk, _ in plan.verify],
             deterministic=self.config.deterministic,
-            native=self._native_attention,
+            native_lib=self._native_attention,
         )
         wants_routing = any(s.request.params.return_routed_experts for s in plan.sequences)
         routing = MoERouting(self.model.args.moe_layers) if wants_routing else None

@@ -8,7 +8,8 @@ CPU the step is bound by memory traffic, and a paged layout would have to copy e
 `StepAttention` is the `AttentionContext` of one forward that mixes sequences: first one decode token
 per running sequence (ordered by slot), then prompt chunks. Each layer writes the new keys/values into
 the cache and attends over the cache: decode rows in one batched product over the slot range, each
-prompt chunk on its own (causal within the chunk, everything before it from the cache). With
+prompt chunk on its own (causal within the chunk, everything before it from the cache); with the native
+kernel (`tandem.ops.native`), decode rows and every chunk of at most `SMALL_CHUNK` rows in one call. With
 ``deterministic=True`` both use `tandem.ops.invariant_attention`, the numerics of the training side's
 `InvariantVarlenAttention`.
 """
@@ -100,10 +101,10 @@ class StepAttention:
         prefills: list[PrefillChunk],
         *,
         deterministic: bool,
-        native=None,
+        native_lib=None,
     ) -> None:
         self.cache, self.deterministic = cache, deterministic
-        self.native = native  # tandem.ops.native's library: decode rows through its kernel (normal mode)
+        self.native = native_lib  # tandem.ops.native's library: decode rows + short chunks through it (normal mode)
         self.decode_slots, self.prefills = decode_slots, prefills
         self.num_decode = len(decode_slots)
         dev = cache.device
@@ -130,6 +131,30 @@ class StepAttention:
             self.decode_limit = limit.to(dev)  # [span]; slots in the range that do not decode: 1 key
             max_len = max(decode_lengths)
             self.decode_keys = round_up(max_len, KEY_TILE) if deterministic else max_len
+        if native_lib is not None:
+            self._plan_native(decode_slots, decode_lengths, prefills)
+
+    def _plan_native(self, decode_slots, decode_lengths, prefills) -> None:
+        """Rows for the native kernel, computed once per step: every decode row and every row of a chunk of
+        at most `SMALL_CHUNK` tokens (row ``i`` of a chunk sees positions ``< start + i + 1``); longer chunks
+        keep SDPA."""
+        rows, slots, limits = list(range(len(decode_slots))), list(decode_slots), list(decode_lengths)
+        self.large_chunks: list[tuple[int, PrefillChunk]] = []
+        offset = len(decode_slots)
+        for chunk in prefills:
+            if chunk.count <= SMALL_CHUNK:
+                rows += range(offset, offset + chunk.count)
+                slots += [chunk.slot] * chunk.count
+                limits += range(chunk.start + 1, chunk.start + chunk.count + 1)
+            else:
+                self.large_chunks.append((offset, chunk))
+            offset += chunk.count
+        dev = self.cache.device
+        self.native_all = len(rows) == self.num_tokens
+        self.native_rows = torch.tensor(rows, dtype=torch.long, device=dev)
+        self.native_slots = torch.tensor(slots, dtype=torch.long, device=dev)
+        self.native_limit = torch.tensor(limits, dtype=torch.long, device=dev)
+        self.native_max = max(limits, default=1)
 
     def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
         """``q [N, Hq, D]``, ``k, v [N, Hkv, D]`` of this step's tokens -> ``[N, Hq, D]``."""
@@ -137,6 +162,9 @@ class StepAttention:
         d = k.shape[-1]
         cache_k.view(-1, d).index_copy_(0, self.write_rows, k.reshape(-1, d))
         cache_v.view(-1, d).index_copy_(0, self.write_rows, v.reshape(-1, d))
+        hq, hkv = q.shape[1], cache_k.shape[1]
+        if self.native is not None and len(self.native_rows) and native.supports(hq // hkv, d, q.dtype, q.device):
+            return self._native_attend(q, cache_k, cache_v, scale)
         if not self.prefills:
             return self._decode(q, cache_k, cache_v, scale)
         out = torch.empty_like(q)
@@ -147,6 +175,23 @@ class StepAttention:
             rows = slice(offset, offset + chunk.count)
             out[rows] = self._prefill(q[rows], chunk, cache_k, cache_v, scale)
             offset += chunk.count
+        return out
+
+    def _native_attend(self, q, cache_k, cache_v, scale) -> torch.Tensor:
+        """Decode rows and short chunks in one call of the native kernel; long chunks through `_prefill`."""
+        n, hq, d = q.shape
+        hkv = cache_k.shape[1]
+        rows = q if self.native_all else q.index_select(0, self.native_rows)
+        got = native.decode_attention(self.native, rows.view(-1, hkv, hq // hkv, d), cache_k, cache_v,
+                                      self.native_slots, self.native_limit, scale, self.native_max)
+        if self.native_all:
+            return got.view(n, hq, d)
+        out = torch.empty_like(q)
+        if len(self.native_rows):
+            out.index_copy_(0, self.native_rows, got.view(-1, hq, d))
+        for offset, chunk in self.large_chunks:
+            out[offset : offset + chunk.count] = self._prefill(q[offset : offset + chunk.count], chunk, cache_k,
+                                                                cache_v, scale)
         return out
 
     def _decode(self, q, cache_k, cache_v, scale) -> torch.Tensor:
@@ -163,8 +208,6 @@ class StepAttention:
         if self.deterministic:
             limit = self.decode_limit[:, None].expand(span, hq // hkv)
             out = invariant_attention(grouped, keys, values, limit, scale)
-        elif self.native is not None and native.supports(grouped, keys):
-            out = native.decode_attention(self.native, grouped, keys, values, self.decode_limit, scale)
         else:
             out = _masked_attention(grouped, keys, values, self.decode_limit, scale)
         if not self.dense:
