@@ -9,7 +9,8 @@ cache slots, and keeps the scores of one (sequence, head) in a thread's buffer: 
 keys and values, as decode attention should be. SDPA's CPU flash kernel does not help here: it costs
 ~60 us per call and tiles for long query blocks.
 
-Build. `load()` compiles ``csrc/<name>.c`` with ``cc -O3 -march=native -fopenmp`` into the kernel cache
+Build. `load()` compiles ``csrc/<name>.c`` with ``cc -O3 -march=native -ffast-math -fopenmp -c`` and links it
+without fast math (which would set flush-to-zero for the whole process) into the kernel cache
 (``$TANDEM_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/tandem/kernels``, else ``~/.cache/tandem/kernels``),
 under a name that hashes the source, the compiler's version and this CPU's flags, so a changed source,
 compiler or machine builds anew; the library is written to a temporary file and renamed into place
@@ -45,7 +46,12 @@ __all__ = ["NativeKernelError", "decode_attention", "kernel_cache_dir", "load", 
 log = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-shared", "-fPIC"]
+# Compile with fast math (vectorised expf, reassociated sums) but link without it: a link with -ffast-math
+# adds crtfastmath.o, whose constructor sets flush-to-zero / denormals-are-zero for the whole process
+# (every float op of torch and numpy afterwards), so compiling and linking are two commands.
+_COMPILE = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-c"]
+_LINK = ["-shared", "-fopenmp", "-lm"]
+_FLAGS = _COMPILE + _LINK  # the cache key
 _MAX_GROUP, _MAX_HEAD_DIM = 16, 256  # the kernel's limits (csrc/decode_attention.c)
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
@@ -107,17 +113,19 @@ def _build(name: str) -> Path:
         raise NativeKernelError(f"kernel cache {cache} is not writable: {e} (set TANDEM_KERNEL_CACHE)") from e
     fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=cache)
     os.close(fd)
+    obj = tmp[: -len(".so")] + ".o"
     try:
-        cmd = [cc, *_FLAGS, str(_CSRC / f"{name}.c"), "-o", tmp, "-lm"]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-        if done.returncode != 0:
-            raise NativeKernelError(f"building {name} failed ({' '.join(cmd)}):\n{done.stderr.strip()[-2000:]}")
+        for cmd in ([cc, *_COMPILE, str(_CSRC / f"{name}.c"), "-o", obj], [cc, obj, *_LINK, "-o", tmp]):
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise NativeKernelError(f"building {name} failed ({' '.join(cmd)}):\n{done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)  # atomic: a concurrent build of the same key writes the same bytes
     except subprocess.SubprocessError as e:
         raise NativeKernelError(f"building {name} failed: {e}") from e
     finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        for path in (tmp, obj):
+            if os.path.exists(path):
+                os.unlink(path)
     log.info("built native kernel %s: %s", name, target)
     return target
 

@@ -111,6 +111,20 @@ def test_refuses_bad_arguments():
 
 
 @needs_native
+def test_loading_leaves_the_process_float_state_alone():
+    """Linking with -ffast-math would add crtfastmath.o, which sets flush-to-zero and denormals-are-zero
+    for the whole process when the library loads: subnormal numbers would become 0 in torch and numpy."""
+    import subprocess
+    import sys
+
+    code = ("from tandem.ops import native; assert native.load() is not None; x = float('5e-324'); "
+            "import torch; t = torch.tensor([1e-40]); print(x * 1.0 > 0, bool((t * 1.0 > 0).all()))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "True"]
+
+
+@needs_native
 def test_builds_into_the_cache_once(tmp_path, monkeypatch):
     monkeypatch.setattr(native, "_libs", {})
     monkeypatch.setenv("TANDEM_KERNEL_CACHE", str(tmp_path / "kernels"))
