@@ -76,6 +76,7 @@ def child(name: str, steps: int, out: Path, overrides: list[str]) -> None:
         "name": name, "allocator": allocator, "peak_rss_mib": peak, "build_s": build_s, **state,
         "step_s": [r["time/step_s"] for r in rows], "sync_bytes": [r.get("sync/bytes", 0.0) for r in rows],
         "sync_s": [r.get("time/sync_s", 0.0) for r in rows], "reward": [r.get("reward/mean") for r in rows],
+        "rollout_s": [r.get("time/generate_s", 0.0) for r in rows], "train_s": [r.get("time/train_s", 0.0) for r in rows],
         "tokens": [r.get("rollout/response_len_mean", 0.0) * r.get("rollout/samples", 0.0) for r in rows],
         "contract_max": max(r.get("train_rollout_logprob_abs_diff/max", 0.0) for r in rows),
     }), flush=True)
@@ -133,16 +134,20 @@ def main(argv: list[str] | None = None) -> int:
             "s_per_1k_tokens": _med([sum(r["step_s"][1:]) / max(sum(r["tokens"][1:]), 1) * 1000 for r in rs]),
             "sync_mib": _med([_med(r["sync_bytes"]) for r in rs]) / 2**20,
             "sync_s": _med([_med(r["sync_s"]) for r in rs]),
+            # the phases of the timed steps: rollout (generation + rewards) and training (log-probs + update)
+            "rollout_s": _med([_med(r["rollout_s"][1:]) for r in rs]),
+            "train_s": _med([_med(r["train_s"][1:]) for r in rs]),
             "reward_first": _med([r["reward"][0] for r in rs]),
             "reward_last2": _med([statistics.mean(r["reward"][-2:]) for r in rs]),
             "contract_max": max(r["contract_max"] for r in rs), "allocator": rs[0]["allocator"],
             **{k: rs[0][k] for k in ("params_mib", "buffers_mib", "grads_mib", "optimizer_mib")},
         }
     print(f"\nhost allocator: {summary['full']['allocator']} (runtime.allocator; --set runtime.allocator=glibc for glibc)")
-    print(f"{'':>6} | peak RSS MiB | s/step (spread) | s/1k tok | sync MiB | sync s | state MiB "
+    print(f"{'':>6} | peak RSS MiB | s/step (spread) | rollout s | train s | s/1k tok | sync MiB | sync s | state MiB "
           "(params+buffers / grads / optim) | reward step 1 -> last 2")
     for name, s in summary.items():
         print(f"{name:>6} | {s['peak_rss_mib']:>12.0f} | {s['s_per_step']:.2f} ({s['s_per_step_spread']}) | "
+              f"{s['rollout_s']:>9.2f} | {s['train_s']:>7.2f} | "
               f"{s['s_per_1k_tokens']:>8.2f} | {s['sync_mib']:>8.1f} | {s['sync_s']:.3f} | "
               f"{s['params_mib'] + s['buffers_mib']:.0f} / {s['grads_mib']:.0f} / {s['optimizer_mib']:.0f} | "
               f"{s['reward_first']:.2f} -> {s['reward_last2']:.2f}")

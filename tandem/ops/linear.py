@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["PackedWeights", "fast_linear", "fast_linear_mode", "pack_weights", "repack", "uses_onednn"]
+__all__ = ["CAN_PACK", "PackedWeights", "fast_linear", "fast_linear_mode", "pack_weight", "pack_weights", "repack", "uses_onednn"]
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-_CAN_PACK = _HAS_ONEDNN and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+CAN_PACK = _HAS_ONEDNN and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
 
 PackedWeights = Mapping[int, torch.Tensor]  # id(weight parameter) -> its oneDNN-packed copy
 
@@ -108,15 +108,26 @@ def fast_linear(
     return _onednn(x, packed_weight if packed_weight is not None else weight.contiguous(), bias)
 
 
-def pack_weights(module: torch.nn.Module, batch_hint: int = 32) -> dict[int, torch.Tensor]:
-    """oneDNN-packed copies of the weights of every ``nn.Linear`` in ``module`` that oneDNN runs."""
+def pack_weights(module: torch.nn.Module, batch_hint: int = 32, *,
+                 skip: frozenset[int] = frozenset()) -> dict[int, torch.Tensor]:
+    """oneDNN-packed copies of the weights of every ``nn.Linear`` in ``module`` that oneDNN runs (except
+    those whose ``id`` is in ``skip``)."""
     packed: dict[int, torch.Tensor] = {}
-    if not _CAN_PACK:
+    if not CAN_PACK:
         return packed
     for m in module.modules():
-        if isinstance(m, torch.nn.Linear) and id(m.weight) not in packed and _packable(m.weight):
+        if (isinstance(m, torch.nn.Linear) and id(m.weight) not in packed and id(m.weight) not in skip
+                and _packable(m.weight)):
             packed[id(m.weight)] = _pack(m.weight, batch_hint)
     return packed
+
+
+def pack_weight(weight: torch.Tensor, batch_hint: int = 32) -> torch.Tensor:
+    """The oneDNN-packed copy of one CPU float32/bfloat16 weight ``[N, K]`` (needs ``CAN_PACK``)."""
+    if not (CAN_PACK and _packable(weight)):
+        raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} on {weight.device} "
+                         f"(oneDNN packing available: {CAN_PACK})")
+    return _pack(weight, batch_hint)
 
 
 def repack(packed: dict[int, torch.Tensor], weights, batch_hint: int = 32) -> None:

@@ -20,7 +20,7 @@ PLOTS: dict[str, tuple[str, list[str]]] = {
     "length.png": ("Response length (tokens)", ["rollout/response_len_mean", "rollout/response_len_max"]),
     "kl.png": ("KL", ["kl/k3_mean", "kl/coef", "train_rollout_logprob_abs_diff/mean"]),
     "entropy.png": ("Entropy", ["loss/entropy", "train/entropy"]),
-    "phase_times.png": ("Seconds per phase", ["time/rollout_s", "time/reward_s", "time/logprob_s",
+    "phase_times.png": ("Seconds per phase", ["time/generate_s", "time/reward_s", "time/logprob_s",
                                               "time/train_s", "time/sync_s", "time/step_s"]),
 }
 EVAL_METRICS = ("pass@1", "reward_mean", "maj@1", "length_mean")  # the eval table's columns, when logged

@@ -153,6 +153,49 @@ def test_full_weights_replace_the_synced_adapter(adapter):
     assert "policy" not in eng.lora_adapters() and _out(eng.generate([_req(p)])[0]) == base
 
 
+def test_the_policy_adapter_is_merged_into_the_packed_weights_outside_the_deterministic_mode(adapter):
+    """merge_lora (default): the synced adapter is folded into the packed float32 weights; policy rows,
+    other adapters' rows and base rows give what the unmerged engine gives (rounding apart); sleep and
+    wake keep it merged; removing it or a full update restores the base model's packed weights bit for bit."""
+    merged, plain = make_engine(lora_alpha=8.0), make_engine(lora_alpha=8.0, merge_lora=False)
+    ps, which = prompts([5, 9, 14, 7]), [None, "other", "base", None]
+
+    def reqs(names=which):
+        return [_req(p, w, seed=i) for i, (p, w) in enumerate(zip(ps, names, strict=True))]
+
+    base_before = [_out(r) for r in merged.generate(reqs([None] * 4))]
+    for eng in (merged, plain):
+        eng.load_lora_adapter(adapter, version=1)
+        eng.add_lora_adapter("other", [(n, t * -0.5) for n, t in adapter], alpha=8.0)
+    assert merged.health()["lora_merged"] == "policy" and plain.health()["lora_merged"] is None
+    got, want = [_out(r) for r in merged.generate(reqs())], [_out(r) for r in plain.generate(reqs())]
+    for [(g_tok, g_lp)], [(w_tok, w_lp)] in zip(got, want, strict=True):
+        assert g_tok == w_tok
+        torch.testing.assert_close(torch.tensor(g_lp), torch.tensor(w_lp), atol=2e-5, rtol=0)
+    assert got[0] != base_before[0] and got[1] != base_before[1]  # the adapters change the model
+    merged.sleep()
+    assert merged.health()["lora_merged"] is None
+    merged.wake_up()
+    assert merged.health()["lora_merged"] == "policy"
+    assert [_out(r) for r in merged.generate(reqs())] == got  # packed merged again, the same bits
+    merged.remove_lora_adapter("policy")
+    assert merged.health()["lora_merged"] is None
+    assert [_out(r) for r in merged.generate(reqs([None] * 4))] == base_before
+    merged.load_lora_adapter(adapter, version=2)
+    assert merged.health()["lora_merged"] == "policy"
+    merged.update_weights(list(merged.named_weights().items()), version=3)  # the same base weights, in full
+    assert merged.health()["lora_merged"] is None
+    assert [_out(r) for r in merged.generate(reqs([None] * 4))] == base_before
+
+
+@pytest.mark.parametrize("kw", [{"deterministic": True}, {"dtype": "bfloat16"}, {"pack_weights": False}])
+def test_the_policy_adapter_stays_unmerged_where_merging_would_change_results(adapter, kw):
+    """The deterministic mode's exact contract needs the unmerged sum; bfloat16 would round W + s·BA."""
+    eng = make_engine(lora_alpha=8.0, **kw)
+    eng.load_lora_adapter(adapter, version=1)
+    assert eng.health()["lora_merged"] is None and eng.lora_adapters()["policy"]["version"] == 1
+
+
 def test_a_peft_adapter_folder_from_tandem_export_is_served(tmp_path):
     """`tandem export --adapter-only` writes a peft folder; the engine serves it by name and its log-probs
     match the merged export's (a different computation: close, not equal)."""

@@ -50,6 +50,11 @@ class TorchEngineConfig:
     lora_alpha: float | None = None
     lora_max_rank: int = 64
     max_loras: int = 4  # adapters loaded at once (requests choose one by name)
+    # fold the synced policy adapter into the packed float32 weights (pack(W + s·BA) at each sync or wake-up)
+    # so that its rows skip the low-rank products; not in the deterministic mode (its exact contract needs
+    # the unmerged sum) nor in bfloat16 (W + s·BA would round small updates away); other adapters' rows and
+    # the base model's subtract it. False: every adapter served unmerged.
+    merge_lora: bool = True
     # speculative decoding (engines/inference/torch/speculative.py): same samples' distribution, same
     # log-probs, fewer target passes when drafts are accepted; None: off (a run's rollout.speculative fills it)
     speculative: SpeculativeConfig | None = None

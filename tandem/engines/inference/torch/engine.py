@@ -140,11 +140,11 @@ class TorchEngine(AdapterMethods, ScoringMethods):
         self.scheduler = Scheduler(num_slots, config.prefill_chunk)
         self._native_attention = _native_attention(config, device)
         self._weights = dict(self.model.state_dict(keep_vars=True))  # HF names (tied alias included)
+        self.adapters = ServedAdapters(self.model, max_adapters=config.max_loras, max_rank=config.lora_max_rank)
+        self._policy_adapter: str | None = None  # what requests without ``lora`` use (load_lora_adapter's)
         # oneDNN-packed weight copies; the numerics mode of every step reads this dict
         self._packed: dict[int, torch.Tensor] = {}
         self._pack()
-        self.adapters = ServedAdapters(self.model, max_adapters=config.max_loras, max_rank=config.lora_max_rank)
-        self._policy_adapter: str | None = None  # what requests without ``lora`` use (load_lora_adapter's)
         self._version = 0
         self._seed_rng = random.Random(config.seed)
         self._sleeping = False
@@ -281,8 +281,9 @@ class TorchEngine(AdapterMethods, ScoringMethods):
                 _copy_into(target, tensor if self._quant is None else self._quant.served(name, tensor, target.dtype))
             repack(self._packed, [self._weights[name] for name, _ in items])
             if self._policy_adapter is not None:  # full weights replace the synced adapter (as vLLM does)
-                self.adapters.remove(self._policy_adapter)
-                self._policy_adapter = None
+                policy, self._policy_adapter = self._policy_adapter, None
+                self._fold_policy()  # packed copies it was merged into go back to the (new) plain weights
+                self.adapters.remove(policy)
             self._version = int(version)
 
     def _incoming(self, items: list, version: int) -> list:
@@ -310,6 +311,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             self._sleeping = True
             self.cache.release()
             self._packed.clear()
+            self.adapters.merged = None
 
     def wake_up(self) -> None:
         with self._between_steps():
@@ -333,7 +335,11 @@ class TorchEngine(AdapterMethods, ScoringMethods):
 
     def _pack(self) -> None:
         if self.config.pack_weights and self.cache.device.type == "cpu":
-            self._packed.update(pack_weights(self.model))
+            merge = self._policy_to_merge()  # its weights are packed once, merged, by _fold_policy
+            skip = frozenset(id(self.adapters.linears[m].weight) for m in merge.modules) if merge else frozenset()
+            self._packed.update(pack_weights(self.model, skip=skip))
+            self.adapters.merged = None
+            self._fold_policy(packing=True)
 
     def health(self) -> dict[str, Any]:
         sched = self.scheduler
@@ -349,6 +355,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             "kv_cache_tokens": self.cache.num_slots * self.cache.slot_len,
             "kv_cache_bytes": self.cache.nbytes if self.cache.allocated else 0,
             "packed_weight_bytes": sum(w.numel() * w.element_size() for w in self._packed.values()),
+            "lora_merged": self.adapters.merged.name if self.adapters.merged is not None else None,
             "deterministic": self.config.deterministic,
             "decode_attention": "native" if self._native_attention is not None else "torch",
             "quantization": self.config.quantization.format if self.config.quantization else None,

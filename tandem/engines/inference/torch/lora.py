@@ -16,6 +16,11 @@ A step's rows are grouped by adapter (`AdapterRows`): one group (the RL case: ev
 policy's adapter) costs two small matmuls per targeted layer over all rows; several groups gather
 their rows. Rows of requests without an adapter skip the hooks' work entirely.
 
+Outside the batch-invariant mode the engine may fold one adapter, the synced policy's, into its
+oneDNN-packed float32 weight copies (``merged``: ``pack(W + s·BA)``, `TorchEngine` "merge_lora"): rows
+of that adapter then cost nothing here, and rows of other adapters or of the base model subtract its
+update (``- s·B(Ax)``) before adding their own. The plain weights stay the base model's.
+
 Adapters arrive as peft-named tensors (``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``,
 what `tandem export --adapter-only` writes and `sync.lora_mode: adapter` sends) or as a peft adapter
 folder (``adapter_config.json`` + ``adapter_model.safetensors``).
@@ -32,6 +37,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from tandem.ops.linear import CAN_PACK, pack_weight
 
 __all__ = ["Adapter", "AdapterRows", "ServedAdapters", "parse_adapter"]
 
@@ -119,22 +126,37 @@ def read_adapter_folder(path: str | Path) -> tuple[list[tuple[str, torch.Tensor]
 
 @dataclass(slots=True)
 class AdapterRows:
-    """One forward's rows by adapter: ``(adapter, row indices or None for all rows)``."""
+    """One forward's rows by adapter: ``(adapter, row indices or None for all rows, sign)``; sign -1
+    removes the ``merged`` adapter's update from rows that do not use it."""
 
-    groups: list[tuple[Adapter, torch.Tensor | None]] = field(default_factory=list)
+    groups: list[tuple[Adapter, torch.Tensor | None, float]] = field(default_factory=list)
 
     @classmethod
-    def of(cls, names: Sequence[str | None], adapters: dict[str, Adapter], device: torch.device) -> AdapterRows:
+    def of(cls, names: Sequence[str | None], adapters: dict[str, Adapter], device: torch.device,
+           merged: Adapter | None = None) -> AdapterRows:
+        if merged is not None:  # rows of the merged adapter need nothing; every other row subtracts it
+            keep = merged.name
+            names = [None if n == keep else (n if n is not None else _BASE) for n in names]
         if not names or all(n is None for n in names):
             return cls()
         first = names[0]
         if first is not None and all(n == first for n in names):
-            return cls([(adapters[first], None)])
+            return cls(_group(first, None, adapters, merged))
         rows: dict[str, list[int]] = {}
         for i, n in enumerate(names):
             if n is not None:
                 rows.setdefault(n, []).append(i)
-        return cls([(adapters[n], torch.tensor(r, dtype=torch.long, device=device)) for n, r in rows.items()])
+        return cls([g for n, r in rows.items()
+                    for g in _group(n, torch.tensor(r, dtype=torch.long, device=device), adapters, merged)])
+
+
+_BASE = "\0base"  # rows without an adapter while one is merged (not a valid adapter name)
+
+
+def _group(name: str, idx: torch.Tensor | None, adapters: dict[str, Adapter],
+           merged: Adapter | None) -> list[tuple[Adapter, torch.Tensor | None, float]]:
+    out = [(merged, idx, -1.0)] if merged is not None else []
+    return out + ([(adapters[name], idx, 1.0)] if name != _BASE else [])
 
 
 class ServedAdapters:
@@ -144,6 +166,7 @@ class ServedAdapters:
         self.linears = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
         self.max_adapters, self.max_rank = max_adapters, max_rank
         self.adapters: dict[str, Adapter] = {}
+        self.merged: Adapter | None = None  # folded into the engine's packed weights (module docstring)
         self._rows = AdapterRows()
         self._hooked: dict[str, torch.utils.hooks.RemovableHandle] = {}
 
@@ -168,7 +191,7 @@ class ServedAdapters:
     @contextlib.contextmanager
     def rows(self, names: Sequence[str | None], device: torch.device) -> Iterator[None]:
         """Within this block, the model's forward applies adapter ``names[i]`` to row ``i``."""
-        self._rows = AdapterRows.of(names, self.adapters, device)
+        self._rows = AdapterRows.of(names, self.adapters, device, self.merged)
         try:
             yield
         finally:
@@ -180,18 +203,19 @@ class ServedAdapters:
             if not groups:
                 return None
             x = args[0]
-            for adapter, idx in groups:
+            for adapter, idx, sign in groups:
                 ab = adapter.modules.get(module)
                 if ab is None:
                     continue
                 a, b = ab
+                scaling = adapter.scaling * sign
                 if idx is None:
                     xa = x if x.dtype == a.dtype else x.to(a.dtype)
-                    out = (out + F.linear(F.linear(xa, a), b) * adapter.scaling).to(out.dtype)
+                    out = (out + F.linear(F.linear(xa, a), b) * scaling).to(out.dtype)
                 else:
                     xs = x[idx]
                     xa = xs if xs.dtype == a.dtype else xs.to(a.dtype)
-                    out[idx] = (out[idx] + F.linear(F.linear(xa, a), b) * adapter.scaling).to(out.dtype)
+                    out[idx] = (out[idx] + F.linear(F.linear(xa, a), b) * scaling).to(out.dtype)
             return out
 
         return hook
@@ -218,6 +242,7 @@ class AdapterMethods:
             self.train_drafter()  # on the rollouts of the adapter being replaced
             self.adapters.add(adapter)
             self._policy_adapter = self.POLICY
+            self._fold_policy()
             self._version = int(version)
 
     def add_lora_adapter(self, name: str, source, *, alpha: float | None = None) -> None:
@@ -248,14 +273,49 @@ class AdapterMethods:
             users = [s.request.request_id for s in self._request_states() if self._adapter_of(s.request) == name]
             if users:
                 raise ValueError(f"LoRA adapter {name!r} is in use by {len(users)} request(s) in flight")
-            self.adapters.remove(name)
             if name == self._policy_adapter:
                 self._policy_adapter = None
+                self._fold_policy()
+            self.adapters.remove(name)
 
     def lora_adapters(self) -> dict[str, dict]:
         """The loaded adapters: name -> rank, alpha, targeted modules, bytes, version."""
         return {n: {"rank": a.rank, "alpha": a.alpha, "modules": len(a.modules), "bytes": a.nbytes,
                     "version": a.version} for n, a in self.adapters.adapters.items()}
+
+    def _policy_to_merge(self) -> Adapter | None:
+        """The policy adapter where it may be folded into the packed weights: ``merge_lora`` on, not the
+        deterministic mode (the exact contract needs the unmerged sum), packed weights (CPU, ``pack_weights``)
+        and every targeted weight float32 (in bfloat16, ``W + s·BA`` would round small updates away)."""
+        cfg = self.config
+        adapter = self.adapters.adapters.get(self._policy_adapter) if self._policy_adapter is not None else None
+        if (adapter is None or not cfg.merge_lora or cfg.deterministic or not cfg.pack_weights or not CAN_PACK
+                or self.cache.device.type != "cpu"):
+            return None
+        if any(self.adapters.linears[m].weight.dtype != torch.float32 for m in adapter.modules):
+            return None
+        return adapter
+
+    def _fold_policy(self, packing: bool = False) -> None:
+        """Re-pack the weights the merged adapter and the policy adapter target, so that the packed copies
+        hold ``W + s·BA`` for the policy adapter where `_policy_to_merge` allows it and ``W`` elsewhere
+        (``ServedAdapters.merged``, module docstring). Between steps; a no-op while nothing is packed."""
+        served = self.adapters
+        if not (self._packed or packing):
+            served.merged = None
+            return
+        new = self._policy_to_merge()
+        old, served.merged = served.merged, None
+        names = set(old.modules if old is not None else ()) | set(new.modules if new is not None else ())
+        with torch.no_grad():
+            for name in sorted(names):
+                w = served.linears[name].weight
+                source = w
+                if new is not None and name in new.modules:
+                    a, b = new.modules[name]
+                    source = torch.addmm(w, b.to(w.dtype), a.to(w.dtype), alpha=new.scaling)
+                self._packed[id(w)] = pack_weight(source)
+        served.merged = new
 
     def _request_states(self) -> list:
         """The requests in the scheduler (running or waiting), once each."""
