@@ -13,6 +13,7 @@ and the reward of every step. Medians over repeats, with the spread (min-max).
 
     python bench/lora.py                  # 8 steps x 3 repeats (~25 min on 2 cores)
     python bench/lora.py --steps 3 --repeats 1
+    python bench/lora.py --decode 64x32   # the engine alone: no adapter / merged adapter / unmerged (~3 min)
 
 Ends with ``RESULT {json}``; keys and aims (issue 20): ``lora_sync_bytes_ratio`` <= 0.02 (of full),
 ``lora_peak_memory_ratio`` <= 0.6, ``qlora_peak_memory_ratio`` <= 0.45, ``lora_step_time_ratio`` <= 1.0.
@@ -82,6 +83,57 @@ def child(name: str, steps: int, out: Path, overrides: list[str]) -> None:
     }), flush=True)
 
 
+def decode(seqs: int, new_tokens: int, repeats: int) -> int:
+    """The engine alone: ``seqs`` x ``new_tokens`` sampled tokens with no adapter, with a rank-16 adapter
+    on every linear layer merged into the packed weights (the default), and served unmerged
+    (``merge_lora=False``); the arms alternate. Prints medians and ``RESULT {json}``."""
+    import torch
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from rollout_throughput import MODEL, make_prompts, run_tandem
+
+    from tandem.engines.inference.torch import TorchEngine, TorchEngineConfig
+    from tandem.models import ModelConfig
+
+    def engine(**kw) -> TorchEngine:
+        return TorchEngine(TorchEngineConfig(model=ModelConfig(name=MODEL, dtype="float32"), max_num_seqs=seqs,
+                                             max_model_len=512, lora_alpha=32.0, **kw))
+
+    engines = {"merged": engine(), "unmerged": engine(merge_lora=False)}
+    gen = torch.Generator().manual_seed(0)
+    adapter = [(f"base_model.model.{name}.lora_{part}.weight",
+                torch.randn(*((16, m.in_features) if part == "A" else (m.out_features, 16)), generator=gen) * 0.01)
+               for name, m in engines["merged"].model.named_modules()
+               if isinstance(m, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGETS for part in "AB"]
+    prompts = make_prompts(seqs)
+    for e in engines.values():
+        e.load_lora_adapter(adapter, version=1)
+        run_tandem(e, prompts[:2], 4)  # warm-up
+    assert engines["merged"].health()["lora_merged"] == "policy"
+    times: dict[str, list[float]] = {"base": [], "merged": [], "unmerged": [], "merge_s": []}
+    for rep in range(repeats):
+        for name in ("merged", "unmerged"):
+            times[name].append(run_tandem(engines[name], prompts, new_tokens))
+        e = engines["merged"]
+        e.remove_lora_adapter("policy")
+        times["base"].append(run_tandem(e, prompts, new_tokens))
+        t0 = time.perf_counter()
+        e.load_lora_adapter(adapter, version=rep + 2)  # the sync: parse, fold, re-pack the targeted weights
+        times["merge_s"].append(time.perf_counter() - t0)
+    tokens = seqs * new_tokens
+    for name in ("base", "merged", "unmerged"):
+        print(f"{name:>9}: {tokens / _med(times[name]):.1f} tokens/s ({_spread(times[name])} s per rollout)")
+    result = {"seqs": seqs, "new_tokens": new_tokens, "repeats": repeats,
+              **{f"{k}_s": round(_med(v), 3) for k, v in times.items()},
+              "merged_over_unmerged": round(_med(times["unmerged"]) / _med(times["merged"]), 3),
+              "merged_over_base": round(_med(times["base"]) / _med(times["merged"]), 3)}
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def _run_child(name: str, steps: int, out: Path, overrides: list[str]) -> dict:
     proc = subprocess.run([sys.executable, __file__, "--child", name, "--steps", str(steps), "--out", str(out),
                            *[f"--set={o}" for o in overrides]],
@@ -105,11 +157,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a recipe override applied to every run (e.g. trainer.fsdp.parallel.activation_checkpointing=true)")
+    ap.add_argument("--decode", metavar="SEQSxNEW",
+                    help="instead: the engine alone, no adapter vs merged vs unmerged (e.g. 64x32)")
     ap.add_argument("--child", choices=sorted(RECIPES), help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.steps < 2:
         ap.error(f"--steps {args.steps}: at least 2 (the first step is left out of the step time)")
+    if args.decode:
+        seqs, _, new_tokens = args.decode.partition("x")
+        if not (seqs.isdigit() and new_tokens.isdigit() and int(seqs) > 0 and int(new_tokens) > 0):
+            ap.error(f"--decode {args.decode!r}: SEQSxNEW, two positive integers (e.g. 64x32)")
+        return decode(int(seqs), int(new_tokens), max(args.repeats, 1))
     if args.child:
         child(args.child, args.steps, Path(args.out), args.set)
         return 0
