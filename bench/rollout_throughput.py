@@ -15,6 +15,7 @@ between vLLM's log-probs and the FSDP2 trainer's.
     .venv/bin/python bench/rollout_throughput.py --quick    # 8 sequences x 32 tokens, fp32 only
     .venv-vllm/bin/python bench/rollout_throughput.py --batches 16,64 --new-tokens 64   # with vLLM (~15 min)
     .venv/bin/python bench/rollout_throughput.py --attention-ab 32x400   # native vs torch decode attention only
+    .venv/bin/python bench/rollout_throughput.py --sampler-ab 64x64      # native vs torch sampler only
 
 Throughput counts generated tokens (every side generates exactly ``--new-tokens`` per sequence,
 asserted) over the wall time of the whole call (prefill included).
@@ -108,7 +109,7 @@ def spread(times: list[float]) -> float:
 
 
 def make_engine(dtype: str, deterministic: bool, threads: int, max_seqs: int,
-                decode_attention: str = "auto") -> TorchEngine:
+                decode_attention: str = "auto", sampler: str = "auto") -> TorchEngine:
     cfg = TorchEngineConfig(
         model=ModelConfig(name=MODEL, dtype=dtype),
         max_num_seqs=max_seqs,
@@ -116,6 +117,7 @@ def make_engine(dtype: str, deterministic: bool, threads: int, max_seqs: int,
         deterministic=deterministic,
         num_threads=threads,
         decode_attention=decode_attention,
+        sampler=sampler,
     )
     engine = TorchEngine(cfg)
     run_tandem(engine, make_prompts(2), 4)  # warm-up
@@ -299,6 +301,50 @@ def attention_ab(spec: str, dtype: str, threads: int, repeats: int) -> dict:
     return {"attention_ab": {"seqs": seqs, "new_tokens": new, "dtype": dtype, **out}}
 
 
+def sampler_ab(spec: str, dtype: str, threads: int, repeats: int) -> dict:
+    """The embedded engine with the native vs the torch sampler (``sampler``), alternating on the same work
+    (``spec`` = ``SEQSxNEW``): tokens/s, and the sampling's own time per engine step (``sample_tokens``
+    timed around its call)."""
+    from tandem.engines.inference.torch import engine as engine_module
+
+    seqs, new = (int(x) for x in spec.lower().split("x"))
+    prompts = make_prompts(seqs)
+    spent = {"s": 0.0}
+    original = engine_module.sample_tokens
+
+    def timed(*a):
+        t0 = time.perf_counter()
+        try:
+            return original(*a)
+        finally:
+            spent["s"] += time.perf_counter() - t0
+
+    engine_module.sample_tokens = timed
+    engines = {m: make_engine(dtype, False, threads, seqs, sampler=m) for m in ("native", "torch")}
+    rows: dict[str, list[tuple[float, float]]] = {m: [] for m in engines}
+    try:
+        if engines["native"].health()["sampler"] != "native":
+            return {"sampler_ab": "native kernel unavailable (no C compiler?)"}
+        for _ in range(repeats):
+            for mode, engine in engines.items():
+                spent["s"], steps0 = 0.0, engine.health()["steps"]
+                wall = run_tandem(engine, prompts, new)
+                rows[mode].append((wall, spent["s"] / (engine.health()["steps"] - steps0)))
+    finally:
+        engine_module.sample_tokens = original
+        for engine in engines.values():
+            engine.close()
+    out = {}
+    for mode, rs in rows.items():
+        walls = [w for w, _ in rs]
+        out[mode] = {"tok_s": round(seqs * new / med(walls), 1), "spread": spread(walls),
+                     "sampling_ms_per_step": round(1e3 * med([a for _, a in rs]), 2)}
+        print(f"{dtype:<5} {seqs} seqs x {new} tokens, {mode:>6} sampler: {out[mode]['tok_s']:7.1f} tok/s "
+              f"(spread {out[mode]['spread']}), sampling {out[mode]['sampling_ms_per_step']} ms per step")
+    out["native_over_torch"] = round(out["native"]["tok_s"] / out["torch"]["tok_s"], 3)
+    return {"sampler_ab": {"seqs": seqs, "new_tokens": new, "dtype": dtype, **out}}
+
+
 def _checkpoint() -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -339,12 +385,15 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="8 sequences x 32 tokens, fp32 only")
     ap.add_argument("--attention-ab", metavar="SEQSxNEW",
                     help="only compare native vs torch decode attention on this work (e.g. 32x400), fp32 and bf16")
+    ap.add_argument("--sampler-ab", metavar="SEQSxNEW",
+                    help="only compare the native vs the torch sampler on this work (e.g. 64x64), fp32 and bf16")
     args = ap.parse_args()
-    if args.attention_ab:
+    if args.attention_ab or args.sampler_ab:
         torch.set_num_threads(args.threads)
         result = {"model": MODEL, "repeats": args.repeats, "load_avg_start": round(os.getloadavg()[0], 2)}
+        ab, spec = (attention_ab, args.attention_ab) if args.attention_ab else (sampler_ab, args.sampler_ab)
         for dtype in ("float32",) if args.no_bf16 else ("float32", "bfloat16"):
-            result[dtype] = attention_ab(args.attention_ab, dtype, args.threads, args.repeats)["attention_ab"]
+            result[dtype] = next(iter(ab(spec, dtype, args.threads, args.repeats).values()))
         result["load_avg_end"] = round(os.getloadavg()[0], 2)
         print("RESULT " + json.dumps(result))
         return

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NativeKernelError", "decode_attention", "kernel_cache_dir", "load", "native_enabled"]
+__all__ = ["NativeKernelError", "decode_attention", "kernel_cache_dir", "load", "native_enabled", "sample"]
 
 log = logging.getLogger(__name__)
 
@@ -150,17 +150,21 @@ def load(name: str = "decode_attention", *, required: bool = False) -> ctypes.CD
             log.warning("native kernel %s unavailable, using the torch path: %s", name, e)
             _libs[name] = None
             return None
-        _bind(lib)
+        _bind(name, lib)
         _libs[name] = lib
         return lib
 
 
-def _bind(lib: ctypes.CDLL) -> None:
+def _bind(name: str, lib: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    for fn in (lib.tandem_decode_attention_f32, lib.tandem_decode_attention_bf16):
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64,
-                       ctypes.c_float, i64]
+    if name == "decode_attention":
+        for fn in (lib.tandem_decode_attention_f32, lib.tandem_decode_attention_bf16):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64,
+                           ctypes.c_float, i64]
+    elif name == "sample":
+        lib.tandem_sample_f32.restype = ctypes.c_int
+        lib.tandem_sample_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
 
 
 def supports(group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -197,3 +201,25 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, cache_k: torch.Tensor, c
     if rc != 0:
         raise RuntimeError(f"native decode_attention failed (code {rc}: -1 shape over the limits, -2 no memory)")
     return out if cache_k.dtype == torch.float32 else out.to(cache_k.dtype)
+
+
+def sample(lib: ctypes.CDLL, logits: torch.Tensor, temperatures: torch.Tensor,
+           uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row ``r`` of float32 ``logits [R, V]`` (CPU, last dimension contiguous) sampled at temperature
+    ``temperatures[r]`` (float32; <= 0: greedy) with the uniform number ``uniforms[r]`` (float64) by inverse
+    CDF over the full vocabulary -> ``tokens [R]`` int64 and their log-probs ``[R]`` float32 under
+    ``log_softmax(logits / T)`` (csrc/sample.c; `tandem.engines.inference.torch.sampling` without
+    top-k / top-p)."""
+    if logits.dtype != torch.float32 or logits.dim() != 2 or logits.device.type != "cpu" or logits.stride(-1) != 1:
+        raise ValueError(f"sample: logits must be a CPU float32 [R, V] tensor with a contiguous last dimension, "
+                         f"got {logits.dtype} {tuple(logits.shape)} on {logits.device}")
+    r, v = logits.shape
+    if temperatures.dtype != torch.float32 or uniforms.dtype != torch.float64 or len(temperatures) != r or len(uniforms) != r:
+        raise ValueError(f"sample: temperatures (float32) and uniforms (float64) need {r} entries each")
+    temperatures, uniforms = temperatures.contiguous(), uniforms.contiguous()
+    tokens, log_probs = torch.empty(r, dtype=torch.int64), torch.empty(r, dtype=torch.float32)
+    rc = lib.tandem_sample_f32(logits.data_ptr(), r, v, logits.stride(0), temperatures.data_ptr(),
+                               uniforms.data_ptr(), tokens.data_ptr(), log_probs.data_ptr())
+    if rc != 0:
+        raise RuntimeError(f"native sample failed (code {rc}: -2 no memory)")
+    return tokens, log_probs

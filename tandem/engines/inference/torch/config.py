@@ -37,6 +37,10 @@ class TorchEngineConfig:
     # the system's C compiler on first use (tandem.ops.native); "torch" = two batched products; "auto" =
     # native when it builds, else torch. The deterministic mode always uses its batch-invariant kernel.
     decode_attention: Literal["auto", "native", "torch"] = "auto"
+    # token sampling of the normal mode (CPU): "native" = tandem/ops/csrc/sample.c for rows without top-k /
+    # top-p (three passes over the logits instead of five; the same draw up to float rounding), "torch" =
+    # engines/inference/torch/sampling.py, "auto" = native when it builds. Deterministic mode: always torch.
+    sampler: Literal["auto", "native", "torch"] = "auto"
     num_threads: int | None = None  # torch intra-op threads (process-wide); None leaves torch's default
     seed: int = 0  # seeds the samplers of requests without their own seed
     pack_weights: bool = (
@@ -81,6 +85,8 @@ class TorchEngineConfig:
             raise ValueError(f"max_loras={self.max_loras} must be >= 1")
         if self.decode_attention not in ("auto", "native", "torch"):
             raise ValueError(f"decode_attention={self.decode_attention!r} must be 'auto', 'native' or 'torch'")
+        if self.sampler not in ("auto", "native", "torch"):
+            raise ValueError(f"sampler={self.sampler!r} must be 'auto', 'native' or 'torch'")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda'")
 

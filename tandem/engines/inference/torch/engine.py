@@ -83,6 +83,15 @@ def _native_attention(config: TorchEngineConfig, device: torch.device):
     return native.load("decode_attention", required=config.decode_attention == "native")
 
 
+def _native_sampler(config: TorchEngineConfig, device: torch.device):
+    """The native sampling library (tandem.ops.native) this engine uses, or None for torch's."""
+    if config.sampler == "torch" or device.type != "cpu" or config.deterministic:
+        return None
+    from tandem.ops import native
+
+    return native.load("sample", required=config.sampler == "native")
+
+
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
     """Copy ``source`` into ``target`` in place. Same-dtype CPU tensors go through numpy: measured
     under load, 272 per-tensor torch ``copy_`` calls (each an OpenMP region) ran at 2.6 GB/s against
@@ -139,6 +148,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
         )
         self.scheduler = Scheduler(num_slots, config.prefill_chunk)
         self._native_attention = _native_attention(config, device)
+        self._native_sampler = _native_sampler(config, device)
         self._weights = dict(self.model.state_dict(keep_vars=True))  # HF names (tied alias included)
         self.adapters = ServedAdapters(self.model, max_adapters=config.max_loras, max_rank=config.lora_max_rank)
         self._policy_adapter: str | None = None  # what requests without ``lora`` use (load_lora_adapter's)
@@ -358,6 +368,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             "lora_merged": self.adapters.merged.name if self.adapters.merged is not None else None,
             "deterministic": self.config.deterministic,
             "decode_attention": "native" if self._native_attention is not None else "torch",
+            "sampler": "native" if self._native_sampler is not None else "torch",
             "quantization": self.config.quantization.format if self.config.quantization else None,
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "device": str(self.cache.device),
@@ -565,7 +576,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             learns = self._drafter is not None and self._drafter.needs_hidden
             lse = torch.logsumexp(logits, dim=-1) if learns else None  # the draft head's targets' normaliser
             if rows:
-                tokens, log_probs = sample_tokens(logits[: len(rows)], samplers)
+                tokens, log_probs = sample_tokens(logits[: len(rows)], samplers, self._native_sampler)
                 if learns:
                     self._drafter.observe_rows(sampling, hidden[picked[: len(rows)]], tokens.tolist(), lse[: len(rows)])
                 self._append(sampling, tokens.tolist(), log_probs.tolist())

@@ -40,9 +40,22 @@ class RowSampler:
         return self.temperature == 0
 
 
-def sample_tokens(logits: torch.Tensor, rows: list[RowSampler]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits [R, V]`` float32 -> ``tokens [R]`` int64 and their ``log_probs [R]`` float32."""
+def sample_tokens(logits: torch.Tensor, rows: list[RowSampler], native=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits [R, V]`` float32 -> ``tokens [R]`` int64 and their ``log_probs [R]`` float32.
+
+    ``native``: the loaded ``sample`` kernel (tandem.ops.native), used when no row restricts top-k / top-p:
+    the same draw (each row's uniform number from its own generator, inverse CDF in vocabulary order) in
+    three passes over the logits instead of five; tokens and log-probs differ from this function's torch
+    path by float rounding only (the log-sum-exp summed in another order), so the deterministic mode does not
+    use it."""
     num_rows, vocab = logits.shape
+    if (native is not None and logits.dtype == torch.float32 and logits.device.type == "cpu"
+            and all(r.greedy or ((r.top_k <= 0 or r.top_k >= vocab) and r.top_p >= 1.0) for r in rows)):
+        from tandem.ops.native import sample
+
+        temps = torch.tensor([0.0 if r.greedy else float(r.temperature) for r in rows], dtype=torch.float32)
+        uniforms = [0.0 if r.greedy else torch.rand(1, generator=r.generator, dtype=torch.float64).item() for r in rows]
+        return sample(native, logits, temps, torch.tensor(uniforms, dtype=torch.float64))
     scaled = scale_logits(logits, rows)
     greedy = [i for i, r in enumerate(rows) if r.greedy]
     if len(greedy) == num_rows:
