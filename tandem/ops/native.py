@@ -9,7 +9,11 @@ cache slots, and keeps the scores of one (sequence, head) in a thread's buffer: 
 keys and values, as decode attention should be. SDPA's CPU flash kernel does not help here: it costs
 ~60 us per call and tiles for long query blocks.
 
-Build. `load()` compiles ``csrc/<name>.c`` with ``cc -O3 -march=native -ffast-math -fopenmp -c`` and links it
+The second kernel, ``csrc/sample.c``, draws a token per row from float32 logits (temperature, inverse CDF
+from the row's own uniform number, the token's log-prob): three passes over a row where the torch sampler
+makes five, each allocating (64 rows x 49,152 logits: ~8 ms -> ~1.5 ms a decode step, docs/inference.md).
+
+Build. `load(name)` compiles ``csrc/<name>.c`` with ``cc -O3 -march=native -ffast-math -fopenmp -c`` and links it
 without fast math (which would set flush-to-zero for the whole process) into the kernel cache
 (``$TANDEM_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/tandem/kernels``, else ``~/.cache/tandem/kernels``),
 under a name that hashes the source, the compiler's version and this CPU's flags, so a changed source,
