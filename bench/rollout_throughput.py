@@ -257,92 +257,56 @@ def run_vllm_section(prompts: list[list[int]], new_tokens: int, dtype: str, thre
     return out
 
 
-def attention_ab(spec: str, dtype: str, threads: int, repeats: int) -> dict:
-    """The embedded engine with native vs torch decode attention (``decode_attention``), alternating on
-    the same work (``spec`` = ``SEQSxNEW``, e.g. ``32x400``): tokens/s, and the decode attention's own
-    time per engine step (``StepAttention._decode`` timed around its call)."""
+def kernel_ab(option: str, spec: str, dtype: str, threads: int, repeats: int) -> dict:
+    """The embedded engine with the native vs the torch path of ``option`` (``decode_attention`` or
+    ``sampler``), alternating on the same work (``spec`` = ``SEQSxNEW``, e.g. ``32x400``): tokens/s, and
+    the part's own time per engine step, timed around each call: ``StepAttention.attend`` (all of a
+    step's attention, decode rows and prompt chunks, either path), or the engine's ``sample_tokens``."""
+    from tandem.engines.inference.torch import engine as engine_module
     from tandem.engines.inference.torch import kv_cache
 
+    targets = [(kv_cache.StepAttention, "attend")] if option == "decode_attention" else [(engine_module, "sample_tokens")]
     seqs, new = (int(x) for x in spec.lower().split("x"))
     prompts = make_prompts(seqs)
     spent = {"s": 0.0}
-    original = kv_cache.StepAttention._decode
+    originals = [getattr(owner, attr) for owner, attr in targets]
 
-    def timed(self, *a):
-        t0 = time.perf_counter()
-        try:
-            return original(self, *a)
-        finally:
-            spent["s"] += time.perf_counter() - t0
+    def timing(original):
+        def timed(*a):
+            t0 = time.perf_counter()
+            try:
+                return original(*a)
+            finally:
+                spent["s"] += time.perf_counter() - t0
+        return timed
 
-    kv_cache.StepAttention._decode = timed
-    engines = {m: make_engine(dtype, False, threads, seqs, decode_attention=m) for m in ("native", "torch")}
+    for (owner, attr), original in zip(targets, originals, strict=True):
+        setattr(owner, attr, timing(original))
+    engines = {m: make_engine(dtype, False, threads, seqs, **{option: m}) for m in ("native", "torch")}
     rows: dict[str, list[tuple[float, float]]] = {m: [] for m in engines}
     try:
-        if engines["native"].health()["decode_attention"] != "native":
-            return {"attention_ab": "native kernel unavailable (no C compiler?)"}
+        if engines["native"].health()[option] != "native":
+            return {"error": f"native {option} kernel unavailable (no C compiler?)"}
         for _ in range(repeats):
             for mode, engine in engines.items():
                 spent["s"], steps0 = 0.0, engine.health()["steps"]
                 wall = run_tandem(engine, prompts, new)
                 rows[mode].append((wall, spent["s"] / (engine.health()["steps"] - steps0)))
     finally:
-        kv_cache.StepAttention._decode = original
+        for (owner, attr), original in zip(targets, originals, strict=True):
+            setattr(owner, attr, original)
         for engine in engines.values():
             engine.close()
     out = {}
+    part = "attention" if option == "decode_attention" else "sampling"
     for mode, rs in rows.items():
         walls = [w for w, _ in rs]
         out[mode] = {"tok_s": round(seqs * new / med(walls), 1), "spread": spread(walls),
-                     "decode_attention_ms_per_step": round(1e3 * med([a for _, a in rs]), 2)}
-        print(f"{dtype:<5} {seqs} seqs x {new} tokens, {mode:>6} decode attention: {out[mode]['tok_s']:7.1f} tok/s "
-              f"(spread {out[mode]['spread']}), attention {out[mode]['decode_attention_ms_per_step']} ms per step")
+                     f"{part}_ms_per_step": round(1e3 * med([a for _, a in rs]), 2)}
+        print(f"{dtype:<5} {seqs} seqs x {new} tokens, {mode:>6} {option}: {out[mode]['tok_s']:7.1f} tok/s "
+              f"(spread {out[mode]['spread']}), {part} {out[mode][f'{part}_ms_per_step']} ms per step")
     out["native_over_torch"] = round(out["native"]["tok_s"] / out["torch"]["tok_s"], 3)
-    return {"attention_ab": {"seqs": seqs, "new_tokens": new, "dtype": dtype, **out}}
-
-
-def sampler_ab(spec: str, dtype: str, threads: int, repeats: int) -> dict:
-    """The embedded engine with the native vs the torch sampler (``sampler``), alternating on the same work
-    (``spec`` = ``SEQSxNEW``): tokens/s, and the sampling's own time per engine step (``sample_tokens``
-    timed around its call)."""
-    from tandem.engines.inference.torch import engine as engine_module
-
-    seqs, new = (int(x) for x in spec.lower().split("x"))
-    prompts = make_prompts(seqs)
-    spent = {"s": 0.0}
-    original = engine_module.sample_tokens
-
-    def timed(*a):
-        t0 = time.perf_counter()
-        try:
-            return original(*a)
-        finally:
-            spent["s"] += time.perf_counter() - t0
-
-    engine_module.sample_tokens = timed
-    engines = {m: make_engine(dtype, False, threads, seqs, sampler=m) for m in ("native", "torch")}
-    rows: dict[str, list[tuple[float, float]]] = {m: [] for m in engines}
-    try:
-        if engines["native"].health()["sampler"] != "native":
-            return {"sampler_ab": "native kernel unavailable (no C compiler?)"}
-        for _ in range(repeats):
-            for mode, engine in engines.items():
-                spent["s"], steps0 = 0.0, engine.health()["steps"]
-                wall = run_tandem(engine, prompts, new)
-                rows[mode].append((wall, spent["s"] / (engine.health()["steps"] - steps0)))
-    finally:
-        engine_module.sample_tokens = original
-        for engine in engines.values():
-            engine.close()
-    out = {}
-    for mode, rs in rows.items():
-        walls = [w for w, _ in rs]
-        out[mode] = {"tok_s": round(seqs * new / med(walls), 1), "spread": spread(walls),
-                     "sampling_ms_per_step": round(1e3 * med([a for _, a in rs]), 2)}
-        print(f"{dtype:<5} {seqs} seqs x {new} tokens, {mode:>6} sampler: {out[mode]['tok_s']:7.1f} tok/s "
-              f"(spread {out[mode]['spread']}), sampling {out[mode]['sampling_ms_per_step']} ms per step")
-    out["native_over_torch"] = round(out["native"]["tok_s"] / out["torch"]["tok_s"], 3)
-    return {"sampler_ab": {"seqs": seqs, "new_tokens": new, "dtype": dtype, **out}}
+    return {"seqs": seqs, "new_tokens": new, "dtype": dtype, **out}
 
 
 def _checkpoint() -> dict[str, torch.Tensor]:
@@ -391,9 +355,9 @@ def main() -> None:
     if args.attention_ab or args.sampler_ab:
         torch.set_num_threads(args.threads)
         result = {"model": MODEL, "repeats": args.repeats, "load_avg_start": round(os.getloadavg()[0], 2)}
-        ab, spec = (attention_ab, args.attention_ab) if args.attention_ab else (sampler_ab, args.sampler_ab)
+        option, spec = ("decode_attention", args.attention_ab) if args.attention_ab else ("sampler", args.sampler_ab)
         for dtype in ("float32",) if args.no_bf16 else ("float32", "bfloat16"):
-            result[dtype] = next(iter(ab(spec, dtype, args.threads, args.repeats).values()))
+            result[dtype] = kernel_ab(option, spec, dtype, args.threads, args.repeats)
         result["load_avg_end"] = round(os.getloadavg()[0], 2)
         print("RESULT " + json.dumps(result))
         return
