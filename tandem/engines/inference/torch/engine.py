@@ -74,22 +74,14 @@ __all__ = ["EngineAsleepError", "TorchEngine"]
 log = logging.getLogger(__name__)
 
 
-def _native_attention(config: TorchEngineConfig, device: torch.device):
-    """The native decode-attention library (tandem.ops.native) this engine uses, or None for torch's."""
-    if config.decode_attention == "torch" or device.type != "cpu" or config.deterministic:
+def _native_kernel(name: str, choice: str, config: TorchEngineConfig, device: torch.device):
+    """Kernel ``name`` of tandem.ops.native for a part set to ``choice`` (auto | native | torch), or None for
+    the torch path: never on GPU nor in the deterministic mode (its batch-invariant ops are the contract)."""
+    if choice == "torch" or device.type != "cpu" or config.deterministic:
         return None
     from tandem.ops import native
 
-    return native.load("decode_attention", required=config.decode_attention == "native")
-
-
-def _native_sampler(config: TorchEngineConfig, device: torch.device):
-    """The native sampling library (tandem.ops.native) this engine uses, or None for torch's."""
-    if config.sampler == "torch" or device.type != "cpu" or config.deterministic:
-        return None
-    from tandem.ops import native
-
-    return native.load("sample", required=config.sampler == "native")
+    return native.load(name, required=choice == "native")
 
 
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
@@ -147,8 +139,8 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             device=device,
         )
         self.scheduler = Scheduler(num_slots, config.prefill_chunk)
-        self._native_attention = _native_attention(config, device)
-        self._native_sampler = _native_sampler(config, device)
+        self._native_attention = _native_kernel("decode_attention", config.decode_attention, config, device)
+        self._native_sampler = _native_kernel("sample", config.sampler, config, device)
         self._weights = dict(self.model.state_dict(keep_vars=True))  # HF names (tied alias included)
         self.adapters = ServedAdapters(self.model, max_adapters=config.max_loras, max_rank=config.lora_max_rank)
         self._policy_adapter: str | None = None  # what requests without ``lora`` use (load_lora_adapter's)
