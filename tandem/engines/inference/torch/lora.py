@@ -304,8 +304,7 @@ class AdapterMethods:
         if not (self._packed or packing):
             served.merged = None
             return
-        new = self._policy_to_merge()
-        old, served.merged = served.merged, None
+        new, old = self._policy_to_merge(), served.merged
         names = set(old.modules if old is not None else ()) | set(new.modules if new is not None else ())
         with torch.no_grad():
             for name in sorted(names):
