@@ -5,7 +5,9 @@
 The trainer side holds SmolLM2-135M-Instruct's fp32 weights (538 MB) as separate tensors; each
 transport moves them into a real `TorchEngine`. The headline in-process figure (``inprocess``) is the
 default engine (``pack_weights=True``: every update re-packs the linear weights into oneDNN's blocked
-layout); ``inprocess_unpacked`` is the transport alone (``pack_weights=False``). Each baseline moves
+layout, into the packed tensors in place where tandem/ops/csrc/pack.c applies); ``inprocess_reorder`` is the
+same engine re-packing through oneDNN's reorder into new tensors (the path before in-place packing, for
+comparison); ``inprocess_unpacked`` is the transport alone (``pack_weights=False``). Each baseline moves
 the same number of bytes in the same run:
 
 * in-process and Ray   vs  memcpy: ``dst.copy_(src)`` of one 538 MB buffer (bytes written per second)
@@ -23,7 +25,7 @@ then those that do (loopback, gloo, Ray, and memcpy again as Ray's baseline), so
 a Ray cluster do not load the first group. Within a group every measurement is set up once (peers
 started, buffers allocated), then the rounds run them interleaved (one of each per round), so a
 baseline and its transport see the same background load on a shared machine. Round 0 is a warm-up;
-a figure is the best of the other rounds, in bytes of weights per second. Ratios are transport /
+a figure is the median of the other rounds, in bytes of weights per second. Ratios are transport /
 baseline. Ends with one line ``RESULT {json}``.
 """
 
@@ -181,12 +183,24 @@ def write(directory: Path, nbytes: int) -> Step:
 ENGINES: dict[bool, object] = {}  # pack_weights -> the in-process target engine (for decode_step_ms)
 
 
-def inprocess(weights, bucket_bytes: int, pack: bool) -> Step:
+def inprocess(weights, bucket_bytes: int, pack: bool, reorder: bool = False) -> Step:
+    from unittest import mock
+
     from tandem.sync import InProcessSync
 
-    ENGINES[pack] = engine = _engine(pack)
+    engine = _engine(pack)
+    if not reorder:
+        ENGINES[pack] = engine
     sync = InProcessSync(engine)
-    return _nothing, lambda r: sync.send(_buckets(weights, bucket_bytes), r + 1)
+
+    def send(r: int) -> None:
+        if reorder:  # every packed copy re-made by oneDNN's reorder, as before in-place packing
+            with mock.patch("tandem.ops.linear._write_packed", return_value=False):
+                sync.send(_buckets(weights, bucket_bytes), r + 1)
+        else:
+            sync.send(_buckets(weights, bucket_bytes), r + 1)
+
+    return _nothing, send
 
 
 def decode_step_ms(engines: dict[bool, object], rounds: int) -> dict[bool, list[float]]:
@@ -300,6 +314,7 @@ def main() -> None:
     builders: dict[str, Callable[[], Step | None]] = {
         "memcpy": lambda: memcpy(nbytes),
         "inprocess": lambda: inprocess(weights, bucket, pack=True),  # the default engine
+        "inprocess_reorder": lambda: inprocess(weights, bucket, pack=True, reorder=True),
         "inprocess_unpacked": lambda: inprocess(weights, bucket, pack=False),
         "write": lambda: write(root, nbytes),
         "disk": lambda: disk(weights, bucket, root / "sync"),
@@ -312,7 +327,7 @@ def main() -> None:
         "gloo": lambda: gloo(weights, bucket),
         "ray": lambda: None if args.skip_ray else ray_store(weights, bucket),
     }
-    groups = [["memcpy", "inprocess", "inprocess_unpacked", "write", "disk", "disk_read"],
+    groups = [["memcpy", "inprocess", "inprocess_reorder", "inprocess_unpacked", "write", "disk", "disk_read"],
               ["memcpy_with_peers", "loopback", "gloo_raw", "gloo", "ray"]]
     baselines = {"memcpy", "memcpy_with_peers", "loopback", "write", "gloo_raw"}
     wanted = set(builders) if args.only is None else set(args.only) | baselines
@@ -336,6 +351,7 @@ def main() -> None:
         "gloo_vs_gloo_raw": ("gloo", "gloo_raw"),
         "disk_vs_write": ("disk", "write"),
         "ray_vs_memcpy": ("ray", "memcpy_with_peers"),
+        "inprocess_reorder_vs_memcpy": ("inprocess_reorder", "memcpy"),
         "inprocess_unpacked_vs_memcpy": ("inprocess_unpacked", "memcpy"),
         "gloo_vs_loopback": ("gloo", "loopback"),
         "gloo_raw_vs_loopback": ("gloo_raw", "loopback"),

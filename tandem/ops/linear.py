@@ -13,6 +13,10 @@ An inference engine can also hand the mode oneDNN-*packed* copies of its weights
 the blocked layout saves oneDNN a reorder per call (a decode-sized product gets ~20% faster, the
 vocabulary projection ~25%) and gives exactly the bits of the plain weights. The copies cost memory
 (one more copy of every linear weight) and must be refreshed when the weights change (`repack`).
+oneDNN's own reorder allocates a new packed tensor and runs at a quarter of memcpy's rate here; where this
+process has checked (once per shape and dtype) that oneDNN's layout is the one ``csrc/pack.c`` writes,
+`repack`, `pack_into` and `copy_and_repack` write the new values into the existing packed tensor instead
+(same bytes, near memcpy's rate; `copy_and_repack` also updates the plain weight in the same pass).
 
 oneDNN's float32 result rows are independent of the row count from 2 rows on (1 row takes another
 path with plain weights; packed weights give the same bits at 1 row too), and of the thread count;
@@ -22,13 +26,18 @@ the batch-invariant mode builds on that (tandem/ops/batch_invariant.py).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import logging
 from collections.abc import Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CAN_PACK", "PackedWeights", "fast_linear", "fast_linear_mode", "pack_weight", "pack_weights", "repack", "uses_onednn"]
+__all__ = ["CAN_PACK", "PackedWeights", "copy_and_repack", "fast_linear", "fast_linear_mode", "pack_into", "pack_weight",
+           "pack_weights", "repack", "uses_onednn"]
+
+log = logging.getLogger(__name__)
 
 _ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
@@ -131,10 +140,83 @@ def pack_weight(weight: torch.Tensor, batch_hint: int = 32) -> torch.Tensor:
 
 
 def repack(packed: dict[int, torch.Tensor], weights, batch_hint: int = 32) -> None:
-    """Refresh the packed copies of ``weights`` (parameters whose values changed)."""
+    """Refresh the packed copies of ``weights`` (parameters whose values changed), in place where possible."""
     for w in weights:
         if id(w) in packed:
-            packed[id(w)] = _pack(w, batch_hint)
+            pack_into(packed, w, batch_hint=batch_hint)
+
+
+def pack_into(packed: dict[int, torch.Tensor], weight: torch.Tensor, source: torch.Tensor | None = None,
+              batch_hint: int = 32) -> None:
+    """``packed[id(weight)]`` becomes the packed copy of ``source`` (default: ``weight``'s own values), written
+    into the existing packed tensor when the native path applies, else a new one from oneDNN's reorder.
+    The existing packed tensor must not be in use by a running product."""
+    src = (weight if source is None else source).detach()
+    current = packed.get(id(weight))
+    if current is None or not _write_packed(current, src, None, batch_hint):
+        packed[id(weight)] = _pack(src, batch_hint)
+
+
+def copy_and_repack(packed: dict[int, torch.Tensor], weight: torch.Tensor, source: torch.Tensor,
+                    batch_hint: int = 32) -> bool:
+    """``weight.copy_(source)`` and its packed copy refreshed in one pass over ``source``, in place. Returns
+    False, having written nothing, when this path does not apply (no packed copy of ``weight``, another dtype,
+    a non-contiguous operand, no native kernel, a layout this process found not to match): then copy and
+    `repack`."""
+    current = packed.get(id(weight))
+    src = source.detach()
+    if current is None or src.dtype != weight.dtype or not weight.is_contiguous() or weight.device.type != "cpu":
+        return False
+    return _write_packed(current, src, weight.detach(), batch_hint)
+
+
+_IN_PLACE: dict[tuple, bool] = {}  # (shape, dtype, batch_hint) -> oneDNN's layout is the one csrc/pack.c writes
+
+
+def _write_packed(current: torch.Tensor, src: torch.Tensor, plain: torch.Tensor | None, batch_hint: int) -> bool:
+    if (current.layout != torch._mkldnn or current.dtype != src.dtype or current.shape != src.shape
+            or src.device.type != "cpu" or not src.is_contiguous()):
+        return False
+    from tandem.ops import native  # lazily: only packing engines need it
+
+    lib = native.load("pack")
+    if lib is None or not _in_place_ok(lib, tuple(src.shape), src.dtype, batch_hint):
+        return False
+    ptr, nbytes = _buffer(current)
+    native.pack_b64(lib, src, ptr, nbytes, plain)
+    return True
+
+
+def _buffer(packed: torch.Tensor) -> tuple[int, int]:
+    """Address and size of a oneDNN tensor's memory."""
+    return int(torch.ops.mkldnn.data_ptr(packed)), int(torch.ops.mkldnn._nbytes(packed))
+
+
+def _raw(packed: torch.Tensor) -> torch.Tensor:
+    """A oneDNN tensor's bytes (a view of its memory: valid while ``packed`` lives)."""
+    ptr, nbytes = _buffer(packed)
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.uint8)
+
+
+def _in_place_ok(lib, shape: tuple, dtype: torch.dtype, batch_hint: int) -> bool:
+    """Whether writing ``csrc/pack.c``'s layout gives oneDNN's own bytes for this shape: checked once per
+    process on a random weight (oneDNN picks its layout by shape, dtype and CPU)."""
+    key = (shape, dtype, batch_hint)
+    if key not in _IN_PLACE:
+        from tandem.ops import native
+
+        ok = False
+        if shape[0] % 64 == 0 and (dtype == torch.float32 or shape[1] % 2 == 0):
+            probe = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
+            expected, got = _pack(probe, batch_hint), _pack(torch.zeros(shape, dtype=dtype), batch_hint)
+            try:
+                ptr, nbytes = _buffer(got)
+                native.pack_b64(lib, probe, ptr, nbytes)
+                ok = torch.equal(_raw(expected), _raw(got))
+            except (AttributeError, RuntimeError, ValueError) as e:  # no mkldnn.data_ptr, or sizes differ
+                log.info("in-place packing unavailable for %s %s: %s", dtype, shape, e)
+        _IN_PLACE[key] = ok
+    return _IN_PLACE[key]
 
 
 def _packable(weight: torch.Tensor) -> bool:

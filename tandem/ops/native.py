@@ -12,6 +12,9 @@ keys and values, as decode attention should be. SDPA's CPU flash kernel does not
 The second kernel, ``csrc/sample.c``, draws a token per row from float32 logits (temperature, inverse CDF
 from the row's own uniform number, the token's log-prob): three passes over a row where the torch sampler
 makes five, each allocating (64 rows x 49,152 logits: ~8 ms -> ~1.5 ms a decode step, docs/inference.md).
+The third, ``csrc/pack.c``, writes a linear weight into the memory of its oneDNN-packed copy (a blocked
+transpose, near memcpy's rate; oneDNN's reorder allocates anew and runs at a quarter of it), optionally
+copying it into the plain weight in the same pass: a weight sync into a packing engine (tandem/ops/linear.py).
 
 Build. `load(name)` compiles ``csrc/<name>.c`` with ``cc -O3 -march=native -ffast-math -fopenmp -c`` and links it
 without fast math (which would set flush-to-zero for the whole process) into the kernel cache
@@ -45,7 +48,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NativeKernelError", "decode_attention", "kernel_cache_dir", "load", "native_enabled", "sample"]
+__all__ = ["NativeKernelError", "decode_attention", "kernel_cache_dir", "load", "native_enabled", "pack_b64", "sample"]
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +172,9 @@ def _bind(name: str, lib: ctypes.CDLL) -> None:
     elif name == "sample":
         lib.tandem_sample_f32.restype = ctypes.c_int
         lib.tandem_sample_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
+    elif name == "pack":
+        lib.tandem_pack_b64.restype = ctypes.c_int
+        lib.tandem_pack_b64.argtypes = [ptr, ptr, ptr, i64, i64]
 
 
 def supports(group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -227,3 +233,31 @@ def sample(lib: ctypes.CDLL, logits: torch.Tensor, temperatures: torch.Tensor,
     if rc != 0:
         raise RuntimeError(f"native sample failed (code {rc}: -2 no memory)")
     return tokens, log_probs
+
+
+def pack_b64(lib: ctypes.CDLL, source: torch.Tensor, dst_ptr: int, dst_nbytes: int,
+             plain: torch.Tensor | None = None) -> None:
+    """Write ``source [N, K]`` (CPU, contiguous, float32 or bfloat16 with even K; N a multiple of 64) in
+    oneDNN's packed inner-product layout (csrc/pack.c: 32-bit unit ``(n, k)`` to ``[n / 64][k][n % 64]``) into
+    the ``dst_nbytes`` bytes at ``dst_ptr``, and, with ``plain``, copy it into ``plain`` (same shape and
+    dtype, contiguous) in the same pass. The memory at ``dst_ptr`` must be writable and not in use: the
+    caller owns it (tandem/ops/linear.py passes a packed tensor's own buffer)."""
+    if (source.device.type != "cpu" or source.dim() != 2 or not source.is_contiguous()
+            or source.dtype not in (torch.float32, torch.bfloat16)):
+        raise ValueError(f"pack_b64: source must be a contiguous CPU float32/bfloat16 [N, K] tensor, got "
+                         f"{source.dtype} {tuple(source.shape)} on {source.device}")
+    n, k = source.shape
+    units = k if source.dtype == torch.float32 else k // 2  # 32-bit units per row
+    if n % 64 or n == 0 or units == 0 or (source.dtype == torch.bfloat16 and k % 2):
+        raise ValueError(f"pack_b64: shape {(n, k)} in {source.dtype}: N must be a positive multiple of 64"
+                         + (" and K even" if source.dtype == torch.bfloat16 else ""))
+    if dst_nbytes != source.numel() * source.element_size():
+        raise ValueError(f"pack_b64: destination holds {dst_nbytes} bytes, the weight {source.numel() * source.element_size()}")
+    if plain is not None and (plain.shape != source.shape or plain.dtype != source.dtype or not plain.is_contiguous()
+                              or plain.device.type != "cpu"):
+        raise ValueError(f"pack_b64: plain must be a contiguous CPU {source.dtype} tensor of shape {(n, k)}")
+    if plain is not None and plain.data_ptr() == source.data_ptr():
+        plain = None  # already holds the source
+    rc = lib.tandem_pack_b64(source.data_ptr(), None if plain is None else plain.data_ptr(), dst_ptr, n, units)
+    if rc != 0:
+        raise RuntimeError(f"native pack failed (code {rc})")

@@ -67,7 +67,7 @@ from tandem.models.attention import MoERouting
 from tandem.models.registry import resolve_model
 from tandem.models.transformer import CausalLM
 from tandem.ops.batch_invariant import KEY_TILE, batch_invariant_mode, round_up
-from tandem.ops.linear import fast_linear_mode, pack_weights, repack
+from tandem.ops.linear import copy_and_repack, fast_linear_mode, pack_weights, repack
 
 __all__ = ["EngineAsleepError", "TorchEngine"]
 
@@ -278,10 +278,14 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             )
         with self._between_steps(), torch.no_grad():
             self.train_drafter()  # the draft head learns the weights that produced its rollouts, before they change
+            stale = []
             for name, tensor in items:
                 target = self._weights[name]
-                _copy_into(target, tensor if self._quant is None else self._quant.served(name, tensor, target.dtype))
-            repack(self._packed, [self._weights[name] for name, _ in items])
+                source = tensor if self._quant is None else self._quant.served(name, tensor, target.dtype)
+                if not copy_and_repack(self._packed, target, source):  # one pass into both copies, in place
+                    _copy_into(target, source)
+                    stale.append(target)
+            repack(self._packed, stale)
             if self._policy_adapter is not None:  # full weights replace the synced adapter (as vLLM does)
                 policy, self._policy_adapter = self._policy_adapter, None
                 self._fold_policy()  # packed copies it was merged into go back to the (new) plain weights

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tandem.ops.linear import CAN_PACK, pack_weight
+from tandem.ops.linear import CAN_PACK, pack_into
 
 __all__ = ["Adapter", "AdapterRows", "ServedAdapters", "parse_adapter"]
 
@@ -313,7 +313,7 @@ class AdapterMethods:
                 if new is not None and name in new.modules:
                     a, b = new.modules[name]
                     source = torch.addmm(w, b.to(w.dtype), a.to(w.dtype), alpha=new.scaling)
-                self._packed[id(w)] = pack_weight(source)
+                pack_into(self._packed, w, source)  # into the existing packed copy where it can
         served.merged = new
 
     def _request_states(self) -> list:

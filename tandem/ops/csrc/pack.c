@@ -1,0 +1,87 @@
+/* oneDNN's packed layout of a linear weight, written in place (tandem/ops/native.py builds and calls this).
+ *
+ * oneDNN packs a float32 weight [N, K] for its inner-product kernels as [N/64][K][64] (64 output rows
+ * interleaved per input column), and a bfloat16 one as [N/64][K/2][64][2] (the same with pairs of input
+ * columns). Both are the same permutation of 32-bit units: with K32 = K (fp32) or K/2 (bf16, a unit is two
+ * columns), unit (n, k) of the row-major weight goes to
+ *     dst[(n / 64) * K32 * 64 + k * 64 + n % 64].
+ * torch's `_reorder_linear_weight` allocates a new tensor and runs oneDNN's generic reorder at 1.6-4 GB/s on
+ * this machine; this is a blocked transpose (16 x 16 tiles in AVX-512 registers where available) into the
+ * existing packed tensor's memory, near memcpy's rate. When `plain` is given, the row-major source is
+ * also copied there in the same pass (a weight sync updates the plain weight and its packed copy reading
+ * the source once). tandem/ops/linear.py checks, once per shape and dtype in each process, that these
+ * bytes equal oneDNN's own packing before using it.
+ *
+ * Returns 0, or -1 when N is not a multiple of 64 (callers keep oneDNN's reorder).
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#define BLOCK 64 /* output rows per packed block */
+#define TILE 16  /* input units per tile */
+
+#ifdef __AVX512F__
+/* dst[j * dst_stride + i] = src[i * src_stride + j] for a 16 x 16 tile of 32-bit units */
+static inline void transpose16(const uint32_t *src, int64_t src_stride, uint32_t *dst, int64_t dst_stride) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(src + i * src_stride);
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 4; ++i) { /* 128-bit lanes, in two rounds */
+        t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 4; ++i) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+        r[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+        r[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+    }
+    for (int i = 0; i < 16; ++i) _mm512_storeu_si512(dst + i * dst_stride, r[i]);
+}
+#endif
+
+/* one tile: rows [a0, a0 + 16) of block nb, units [k0, k0 + width) */
+static inline void tile(const uint32_t *restrict src, uint32_t *restrict plain, uint32_t *restrict dst,
+                        int64_t k, int64_t nb, int64_t a0, int64_t k0, int64_t width) {
+    const uint32_t *s = src + (nb * BLOCK + a0) * k + k0;
+    uint32_t *d = dst + (nb * k + k0) * BLOCK + a0;
+#ifdef __AVX512F__
+    if (width == TILE) {
+        transpose16(s, k, d, BLOCK);
+    } else
+#endif
+    {
+        for (int64_t i = 0; i < TILE; ++i)
+            for (int64_t j = 0; j < width; ++j) d[j * BLOCK + i] = s[i * k + j];
+    }
+    if (plain)
+        for (int64_t i = 0; i < TILE; ++i)
+            memcpy(plain + (nb * BLOCK + a0 + i) * k + k0, s + i * k, (size_t)width * sizeof(uint32_t));
+}
+
+int tandem_pack_b64(const uint32_t *restrict src, uint32_t *restrict plain, uint32_t *restrict dst, int64_t n,
+                    int64_t k) {
+    if (n % BLOCK != 0 || n <= 0 || k <= 0) return -1;
+    const int64_t blocks = n / BLOCK, tiles = (k + TILE - 1) / TILE;
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < blocks * tiles; ++t) {
+        const int64_t nb = t / tiles, k0 = (t % tiles) * TILE;
+        const int64_t width = k - k0 < TILE ? k - k0 : TILE;
+        for (int64_t a0 = 0; a0 < BLOCK; a0 += TILE) tile(src, plain, dst, k, nb, a0, k0, width);
+    }
+    return 0;
+}

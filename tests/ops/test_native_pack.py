@@ -1,0 +1,116 @@
+"""In-place packing of linear weights (tandem/ops/csrc/pack.c through tandem/ops/linear.py): the bytes oneDNN's
+own reorder writes, into the existing packed tensor, and a weight sync into a packing engine that uses it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.ops import linear, native
+from tandem.ops.linear import CAN_PACK, copy_and_repack, pack_into, pack_weight, repack
+
+needs_native = pytest.mark.skipif(not CAN_PACK or native.load("pack") is None,
+                                  reason="no oneDNN packing or no C compiler: oneDNN's reorder is used")
+SHAPES = [(64, 32), (128, 576), (192, 96), (1536, 576), (64, 512)]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_in_place_pack_writes_onednn_bytes_into_the_same_tensor(shape, dtype):
+    gen = torch.Generator().manual_seed(1)
+    old, new = (torch.randn(shape, generator=gen).to(dtype) for _ in range(2))
+    w = old.clone()
+    packed = {id(w): pack_weight(w)}
+    before = packed[id(w)]
+    w.copy_(new)
+    repack(packed, [w])
+    assert packed[id(w)] is before  # written in place, not a new tensor
+    assert torch.equal(linear._raw(packed[id(w)]), linear._raw(pack_weight(new)))
+    x = torch.randn(5, shape[1], generator=gen).to(dtype)
+    assert torch.equal(linear._onednn(x, packed[id(w)], None), linear._onednn(x, pack_weight(new), None))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_copy_and_repack_updates_both_copies_in_one_pass(dtype):
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(256, 96, generator=gen).to(dtype)
+    source = torch.randn(256, 96, generator=gen).to(dtype)
+    packed = {id(w): pack_weight(w)}
+    assert copy_and_repack(packed, w, source)
+    assert torch.equal(w, source)
+    assert torch.equal(linear._raw(packed[id(w)]), linear._raw(pack_weight(source)))
+    # where it does not apply it writes nothing and says so
+    other = torch.randn(256, 96, generator=gen)
+    assert not copy_and_repack({}, w, source)
+    if dtype == torch.bfloat16:
+        assert not copy_and_repack(packed, w, other)  # another dtype: the caller converts while copying
+        assert torch.equal(w, source)
+    assert not copy_and_repack(packed, w, torch.randn(96, 256, generator=gen).to(dtype).t())  # not contiguous
+    assert torch.equal(w, source)
+
+
+@needs_native
+@pytest.mark.parametrize("shape,dtype", [((100, 32), torch.float32), ((64, 8), torch.float32), ((64, 16), torch.bfloat16)])
+def test_shapes_onednn_pads_fall_back_to_a_new_reorder(shape, dtype):
+    """oneDNN pads N to 64 and K to 16 (fp32) / 32 (bf16) units: the probe finds the layout differs."""
+    w = torch.randn(shape).to(dtype)
+    packed = {id(w): pack_weight(w)}
+    before = packed[id(w)]
+    w.mul_(2)
+    pack_into(packed, w)
+    assert packed[id(w)] is not before
+    x = torch.randn(3, shape[1]).to(dtype)
+    assert torch.equal(linear._onednn(x, packed[id(w)], None), linear._onednn(x, pack_weight(w), None))
+    assert linear._IN_PLACE[(shape, dtype, 32)] is False
+
+
+@needs_native
+def test_pack_b64_rejects_what_it_cannot_write():
+    lib = native.load("pack")
+    packed = pack_weight(torch.zeros(64, 16))
+    ptr, nbytes = linear._buffer(packed)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        native.pack_b64(lib, torch.zeros(65, 16), ptr, nbytes)
+    with pytest.raises(ValueError, match="destination holds 4096 bytes, the weight 8192"):
+        native.pack_b64(lib, torch.zeros(64, 32), ptr, nbytes)
+    with pytest.raises(ValueError, match="contiguous CPU float32/bfloat16"):
+        native.pack_b64(lib, torch.zeros(16, 64).t(), ptr, nbytes)
+    with pytest.raises(ValueError, match="K even"):
+        native.pack_b64(lib, torch.zeros(64, 15, dtype=torch.bfloat16), ptr, nbytes)
+    with pytest.raises(ValueError, match="plain must be"):
+        native.pack_b64(lib, torch.zeros(64, 16), ptr, nbytes, plain=torch.zeros(64, 9))
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_weight_sync_into_a_packing_engine_matches_an_engine_built_on_the_new_weights(dtype):
+    """The engine's update path (`copy_and_repack`) writes the plain and packed weights in place, and the
+    engine then generates exactly what an engine that packed the new weights from scratch generates."""
+    from tests.engines.torch_helpers import make_engine, prompts, requests
+
+    engine, fresh = make_engine(dtype=dtype), make_engine(dtype=dtype)
+    assert engine._packed, "the engine packs its weights"
+    g = torch.Generator().manual_seed(0)
+    new = [(k, (v.float() + 0.1 * torch.randn(v.shape, generator=g)).to(v.dtype))
+           for k, v in engine.model.hf_state_dict().items()]
+    before = dict(engine._packed)
+    engine.update_weights(new, version=1)
+    in_place = [k for k, v in before.items() if engine._packed[k] is v]
+    assert len(in_place) >= len(before) // 2  # the tiny model's shapes are mostly multiples of 64
+    fresh.sleep()
+    fresh.update_weights(new, version=1)
+    fresh.wake_up()  # packs from scratch (oneDNN's reorder)
+    def by_name(e):
+        return {n: e._packed[id(m.weight)] for n, m in e.model.named_modules() if id(getattr(m, "weight", None)) in e._packed}
+
+    mine, theirs = by_name(engine), by_name(fresh)
+    assert mine.keys() == theirs.keys() and {id(v) for v in mine.values()} == {id(v) for v in engine._packed.values()}
+    for name, packed in mine.items():
+        assert torch.equal(linear._raw(packed), linear._raw(theirs[name])), name
+    ps = prompts([7, 12], seed=4)
+    got = engine.generate(requests(ps, max_new_tokens=8, temperature=1.0, seed=5))
+    want = fresh.generate(requests(ps, max_new_tokens=8, temperature=1.0, seed=5))
+    assert [(c.token_ids, c.log_probs) for r in got for c in r.completions] == [
+        (c.token_ids, c.log_probs) for r in want for c in r.completions]
