@@ -374,7 +374,9 @@ class CausalLM(nn.Module):
             raise FileNotFoundError(f"no *.safetensors files in {path}")
         for f in files:
             state.update(load_file(str(f), device=str(device)))
-        state = {k: v.to(dtype) for k, v in state.items()}
+        # copies of our own: load_file's tensors can be views of the file's memory map, at the header's
+        # offset (misaligned for vector loads and streaming stores; copy-on-write faults at the first sync)
+        state = {k: v.to(dtype, copy=True) for k, v in state.items()}
         if args.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         expected = set(model.hf_state_dict())

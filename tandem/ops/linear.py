@@ -200,17 +200,20 @@ def _raw(packed: torch.Tensor) -> torch.Tensor:
 
 def _in_place_ok(lib, shape: tuple, dtype: torch.dtype, batch_hint: int) -> bool:
     """Whether writing ``csrc/pack.c``'s layout gives oneDNN's own bytes for this shape: checked once per
-    process on a random weight (oneDNN picks its layout by shape, dtype and CPU)."""
+    process on a pseudo-random weight (oneDNN picks its layout by shape, dtype and CPU)."""
     key = (shape, dtype, batch_hint)
     if key not in _IN_PLACE:
         from tandem.ops import native
 
         ok = False
         if shape[0] % 64 == 0 and (dtype == torch.float32 or shape[1] % 2 == 0):
-            probe = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(dtype)
-            expected, got = _pack(probe, batch_hint), _pack(torch.zeros(shape, dtype=dtype), batch_hint)
+            numel = shape[0] * shape[1]  # a cheap pattern, distinct between neighbours in both dtypes
+            probe = torch.arange(numel, dtype=torch.int32).mul_(-1640531535).bitwise_right_shift_(12)
+            probe = probe.to(dtype).view(shape)
+            expected, got = _pack(probe, batch_hint), _pack(probe, batch_hint)
             try:
                 ptr, nbytes = _buffer(got)
+                ctypes.memset(ptr, 0, nbytes)  # the kernel must write every byte
                 native.pack_b64(lib, probe, ptr, nbytes)
                 ok = torch.equal(_raw(expected), _raw(got))
             except (AttributeError, RuntimeError, ValueError) as e:  # no mkldnn.data_ptr, or sizes differ
