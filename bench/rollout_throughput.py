@@ -16,6 +16,7 @@ between vLLM's log-probs and the FSDP2 trainer's.
     .venv-vllm/bin/python bench/rollout_throughput.py --batches 16,64 --new-tokens 64   # with vLLM (~15 min)
     .venv/bin/python bench/rollout_throughput.py --attention-ab 32x400   # native vs torch decode attention only
     .venv/bin/python bench/rollout_throughput.py --sampler-ab 64x64      # native vs torch sampler only
+    .venv/bin/python bench/rollout_throughput.py --pointwise-ab 64x64    # native vs torch RMSNorm/rotary/SwiGLU
 
 Throughput counts generated tokens (every side generates exactly ``--new-tokens`` per sequence,
 asserted) over the wall time of the whole call (prefill included).
@@ -109,7 +110,7 @@ def spread(times: list[float]) -> float:
 
 
 def make_engine(dtype: str, deterministic: bool, threads: int, max_seqs: int,
-                decode_attention: str = "auto", sampler: str = "auto") -> TorchEngine:
+                decode_attention: str = "auto", sampler: str = "auto", pointwise: str = "auto") -> TorchEngine:
     cfg = TorchEngineConfig(
         model=ModelConfig(name=MODEL, dtype=dtype),
         max_num_seqs=max_seqs,
@@ -118,6 +119,7 @@ def make_engine(dtype: str, deterministic: bool, threads: int, max_seqs: int,
         num_threads=threads,
         decode_attention=decode_attention,
         sampler=sampler,
+        pointwise=pointwise,
     )
     engine = TorchEngine(cfg)
     run_tandem(engine, make_prompts(2), 4)  # warm-up
@@ -258,14 +260,18 @@ def run_vllm_section(prompts: list[list[int]], new_tokens: int, dtype: str, thre
 
 
 def kernel_ab(option: str, spec: str, dtype: str, threads: int, repeats: int) -> dict:
-    """The embedded engine with the native vs the torch path of ``option`` (``decode_attention`` or
-    ``sampler``), alternating on the same work (``spec`` = ``SEQSxNEW``, e.g. ``32x400``): tokens/s, and
-    the part's own time per engine step, timed around each call: ``StepAttention.attend`` (all of a
-    step's attention, decode rows and prompt chunks, either path), or the engine's ``sample_tokens``."""
+    """The embedded engine with the native vs the torch path of ``option`` (``decode_attention``,
+    ``sampler`` or ``pointwise``), alternating on the same work (``spec`` = ``SEQSxNEW``, e.g. ``32x400``):
+    tokens/s, and the part's own time per engine step, timed around each call: ``StepAttention.attend``
+    (all of a step's attention, decode rows and prompt chunks, either path), the engine's
+    ``sample_tokens``, or the model's ``rms_norm`` / ``rotary`` / ``swiglu``."""
     from tandem.engines.inference.torch import engine as engine_module
     from tandem.engines.inference.torch import kv_cache
+    from tandem.models import transformer
 
-    targets = [(kv_cache.StepAttention, "attend")] if option == "decode_attention" else [(engine_module, "sample_tokens")]
+    targets = {"decode_attention": [(kv_cache.StepAttention, "attend")],
+               "sampler": [(engine_module, "sample_tokens")],
+               "pointwise": [(transformer, "rms_norm"), (transformer, "rotary"), (transformer, "swiglu")]}[option]
     seqs, new = (int(x) for x in spec.lower().split("x"))
     prompts = make_prompts(seqs)
     spent = {"s": 0.0}
@@ -298,7 +304,7 @@ def kernel_ab(option: str, spec: str, dtype: str, threads: int, repeats: int) ->
         for engine in engines.values():
             engine.close()
     out = {}
-    part = "attention" if option == "decode_attention" else "sampling"
+    part = {"decode_attention": "attention", "sampler": "sampling", "pointwise": "pointwise"}[option]
     for mode, rs in rows.items():
         walls = [w for w, _ in rs]
         out[mode] = {"tok_s": round(seqs * new / med(walls), 1), "spread": spread(walls),
@@ -351,11 +357,14 @@ def main() -> None:
                     help="only compare native vs torch decode attention on this work (e.g. 32x400), fp32 and bf16")
     ap.add_argument("--sampler-ab", metavar="SEQSxNEW",
                     help="only compare the native vs the torch sampler on this work (e.g. 64x64), fp32 and bf16")
+    ap.add_argument("--pointwise-ab", metavar="SEQSxNEW",
+                    help="only compare native vs torch RMSNorm / rotary / SwiGLU on this work (e.g. 64x64), fp32 and bf16")
     args = ap.parse_args()
-    if args.attention_ab or args.sampler_ab:
+    if args.attention_ab or args.sampler_ab or args.pointwise_ab:
         torch.set_num_threads(args.threads)
         result = {"model": MODEL, "repeats": args.repeats, "load_avg_start": round(os.getloadavg()[0], 2)}
-        option, spec = ("decode_attention", args.attention_ab) if args.attention_ab else ("sampler", args.sampler_ab)
+        option, spec = (("decode_attention", args.attention_ab) if args.attention_ab else
+                        ("sampler", args.sampler_ab) if args.sampler_ab else ("pointwise", args.pointwise_ab))
         for dtype in ("float32",) if args.no_bf16 else ("float32", "bfloat16"):
             result[dtype] = kernel_ab(option, spec, dtype, args.threads, args.repeats)
         result["load_avg_end"] = round(os.getloadavg()[0], 2)

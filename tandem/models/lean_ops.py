@@ -21,10 +21,40 @@ the plain ops with no autograd overhead. Backward formulas (``n = h * r``, ``r =
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 
-__all__ = ["rms_norm", "rotary", "swiglu"]
+__all__ = ["pointwise_kernels", "rms_norm", "rotary", "swiglu"]
+
+_native = threading.local()  # .lib: tandem.ops.native's "pointwise" library inside `pointwise_kernels`
+
+
+@contextlib.contextmanager
+def pointwise_kernels(lib) -> Iterator[None]:
+    """Inside (this thread), `rms_norm`, `rotary` and `swiglu` run one-pass native kernels
+    (tandem/ops/csrc/pointwise.c, ``lib = tandem.ops.native.load("pointwise")``) where no gradient is recorded
+    and the operands suit them: the same arithmetic up to the order of RMSNorm's sum and a polynomial exp
+    (~1e-7 relative). For the embedded engine's normal mode; never the deterministic mode's contract.
+    ``lib=None``: a no-op."""
+    previous = getattr(_native, "lib", None)
+    _native.lib = lib
+    try:
+        yield
+    finally:
+        _native.lib = previous
+
+
+def _kernels():
+    lib = getattr(_native, "lib", None)
+    if lib is None:
+        return None, None
+    from tandem.ops import native  # lazily: tandem.models does not need it otherwise
+
+    return lib, native
 
 
 def _recording(*tensors: torch.Tensor | None) -> bool:
@@ -67,6 +97,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's RMSNorm (normalise in float32, cast back, scale) over the last dimension."""
     if _recording(x, weight):
         return _RMSNorm.apply(x, weight, eps)
+    lib, native = _kernels()
+    if lib is not None and (out := native.rms_norm(lib, x, weight, eps)) is not None:
+        return out
     return _rms_norm_plain(x, weight, eps)
 
 
@@ -100,6 +133,9 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """``x * cos + rotate_half(x) * sin``; ``cos``/``sin`` broadcast against ``x`` and take no gradient."""
     if _recording(x) and not (cos.requires_grad or sin.requires_grad):
         return _Rotary.apply(x, cos, sin)
+    lib, native = _kernels()
+    if lib is not None and not _recording(x, cos, sin) and (out := native.rotary(lib, x, cos, sin)) is not None:
+        return out
     return x * cos + _rotate_half(x) * sin
 
 
@@ -130,4 +166,7 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``silu(a) * b`` (``F.silu``, so the batch-invariant mode's SiLU applies)."""
     if _recording(a, b):
         return _SwiGLU.apply(a, b)
+    lib, native = _kernels()
+    if lib is not None and (out := native.swiglu(lib, a, b)) is not None:
+        return out
     return F.silu(a) * b

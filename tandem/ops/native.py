@@ -15,6 +15,8 @@ makes five, each allocating (64 rows x 49,152 logits: ~8 ms -> ~1.5 ms a decode 
 The third, ``csrc/pack.c``, writes a linear weight into the memory of its oneDNN-packed copy (a blocked
 transpose, near memcpy's rate; oneDNN's reorder allocates anew and runs at a quarter of it), optionally
 copying it into the plain weight in the same pass: a weight sync into a packing engine (tandem/ops/linear.py).
+The fourth, ``csrc/pointwise.c``, runs RMSNorm, rotary embedding and SwiGLU in one pass each instead of
+~25 small torch ops per layer (tandem/models/lean_ops.py calls it inside `pointwise_kernels`).
 
 Build. `load(name)` compiles ``csrc/<name>.c`` with ``cc -O3 -march=native -ffast-math -fopenmp -c`` and links it
 without fast math (which would set flush-to-zero for the whole process) into the kernel cache
@@ -48,7 +50,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NativeKernelError", "decode_attention", "kernel_cache_dir", "load", "native_enabled", "pack_b64", "sample"]
+__all__ = ["NativeKernelError", "decode_attention", "kernel_cache_dir", "load", "native_enabled", "pack_b64", "rms_norm", "rotary",
+           "sample", "swiglu"]
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +175,11 @@ def _bind(name: str, lib: ctypes.CDLL) -> None:
     elif name == "sample":
         lib.tandem_sample_f32.restype = ctypes.c_int
         lib.tandem_sample_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]
+    elif name == "pointwise":
+        lib.tandem_rms_norm.restype = lib.tandem_swiglu.restype = lib.tandem_rotary.restype = None
+        lib.tandem_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
+        lib.tandem_swiglu.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int]
+        lib.tandem_rotary.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
     elif name == "pack":
         lib.tandem_pack_b64.restype = ctypes.c_int
         lib.tandem_pack_b64.argtypes = [ptr, ptr, ptr, i64, i64]
@@ -261,3 +269,50 @@ def pack_b64(lib: ctypes.CDLL, source: torch.Tensor, dst_ptr: int, dst_nbytes: i
     rc = lib.tandem_pack_b64(source.data_ptr(), None if plain is None else plain.data_ptr(), dst_ptr, n, units)
     if rc != 0:
         raise RuntimeError(f"native pack failed (code {rc})")
+
+
+_POINTWISE_DTYPES = (torch.float32, torch.bfloat16)
+# (these wrappers run ~150 times a decode step: their checks are kept to a few attribute reads)
+
+
+def rms_norm(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """HF's RMSNorm of ``x [..., D]`` with ``weight [D]`` in one pass (csrc/pointwise.c), or None where the
+    kernel does not apply (another dtype or device, a non-contiguous operand): the caller's torch path."""
+    dtype = x.dtype
+    if (dtype not in _POINTWISE_DTYPES or weight.dtype != dtype or not x.is_cpu or not weight.is_cpu
+            or x.dim() == 0 or weight.shape != x.shape[-1:] or not x.is_contiguous() or not weight.is_contiguous()):
+        return None
+    out = torch.empty_like(x)
+    d = x.shape[-1]
+    lib.tandem_rms_norm(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.numel() // d if d else 0, d,
+                        eps, dtype is torch.bfloat16)
+    return out
+
+
+def swiglu(lib: ctypes.CDLL, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """``silu(a) * b`` in one pass, or None where the kernel does not apply."""
+    dtype = a.dtype
+    if (dtype not in _POINTWISE_DTYPES or b.dtype != dtype or not a.is_cpu or not b.is_cpu or a.shape != b.shape
+            or not a.is_contiguous() or not b.is_contiguous()):
+        return None
+    out = torch.empty_like(a)
+    lib.tandem_swiglu(a.data_ptr(), b.data_ptr(), out.data_ptr(), a.numel(), dtype is torch.bfloat16)
+    return out
+
+
+def rotary(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor | None:
+    """``x * cos + rotate_half(x) * sin`` for ``x [N, H, D]`` (heads contiguous in a row, rows at any stride)
+    and ``cos, sin`` of ``N x D`` elements (``[N, D]`` or ``[N, 1, D]``, contiguous) -> contiguous ``[N, H, D]``;
+    None where the kernel does not apply."""
+    dtype = x.dtype
+    if dtype not in _POINTWISE_DTYPES or x.dim() != 3 or not x.is_cpu or cos.dtype != dtype or sin.dtype != dtype:
+        return None
+    n, h, d = x.shape
+    if (d % 2 or x.stride(2) != 1 or x.stride(1) != d or cos.shape[0] != n or cos.numel() != n * d
+            or sin.numel() != n * d or not cos.is_contiguous() or not sin.is_contiguous() or not cos.is_cpu
+            or not sin.is_cpu):
+        return None
+    out = torch.empty((n, h, d), dtype=dtype)
+    lib.tandem_rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), n, h, d,
+                      dtype is torch.bfloat16)
+    return out

@@ -41,6 +41,10 @@ class TorchEngineConfig:
     # top-p (three passes over the logits instead of five; the same draw up to float rounding), "torch" =
     # engines/inference/torch/sampling.py, "auto" = native when it builds. Deterministic mode: always torch.
     sampler: Literal["auto", "native", "torch"] = "auto"
+    # RMSNorm, rotary and SwiGLU of the normal mode (CPU): "native" = tandem/ops/csrc/pointwise.c, one pass
+    # each (float32 arithmetic, bf16 rounded where torch rounds); "torch" = the model's torch ops; "auto" =
+    # native when it builds. Deterministic mode: always torch.
+    pointwise: Literal["auto", "native", "torch"] = "auto"
     num_threads: int | None = None  # torch intra-op threads (process-wide); None leaves torch's default
     seed: int = 0  # seeds the samplers of requests without their own seed
     pack_weights: bool = (
@@ -87,6 +91,8 @@ class TorchEngineConfig:
             raise ValueError(f"decode_attention={self.decode_attention!r} must be 'auto', 'native' or 'torch'")
         if self.sampler not in ("auto", "native", "torch"):
             raise ValueError(f"sampler={self.sampler!r} must be 'auto', 'native' or 'torch'")
+        if self.pointwise not in ("auto", "native", "torch"):
+            raise ValueError(f"pointwise={self.pointwise!r} must be 'auto', 'native' or 'torch'")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda'")
 

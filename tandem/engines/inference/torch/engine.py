@@ -64,6 +64,7 @@ from tandem.engines.inference.torch.speculative import (
 from tandem.kernels.load import DequantizeOnLoad
 from tandem.kernels.state_dict import find_quantized
 from tandem.models.attention import MoERouting
+from tandem.models.lean_ops import pointwise_kernels
 from tandem.models.registry import resolve_model
 from tandem.models.transformer import CausalLM
 from tandem.ops.batch_invariant import KEY_TILE, batch_invariant_mode, round_up
@@ -141,6 +142,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
         self.scheduler = Scheduler(num_slots, config.prefill_chunk)
         self._native_attention = _native_kernel("decode_attention", config.decode_attention, config, device)
         self._native_sampler = _native_kernel("sample", config.sampler, config, device)
+        self._native_pointwise = _native_kernel("pointwise", config.pointwise, config, device)
         self._weights = dict(self.model.state_dict(keep_vars=True))  # HF names (tied alias included)
         self.adapters = ServedAdapters(self.model, max_adapters=config.max_loras, max_rank=config.lora_max_rank)
         self._policy_adapter: str | None = None  # what requests without ``lora`` use (load_lora_adapter's)
@@ -365,6 +367,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             "deterministic": self.config.deterministic,
             "decode_attention": "native" if self._native_attention is not None else "torch",
             "sampler": "native" if self._native_sampler is not None else "torch",
+            "pointwise": "native" if self._native_pointwise is not None else "torch",
             "quantization": self.config.quantization.format if self.config.quantization else None,
             "dtype": str(self.model.dtype).removeprefix("torch."),
             "device": str(self.cache.device),
@@ -471,7 +474,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
                 numerics = batch_invariant_mode(packed=self._packed)
             else:
                 numerics = fast_linear_mode(packed=self._packed)
-            with torch.inference_mode(), numerics:
+            with torch.inference_mode(), numerics, pointwise_kernels(self._native_pointwise):
                 self._guarded_step()
             return True
         finally:

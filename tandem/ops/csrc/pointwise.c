@@ -1,0 +1,125 @@
+/* The decoder layer's pointwise blocks in one pass each (tandem/ops/native.py builds and calls this).
+ *
+ * A decode step of SmolLM2-135M runs, per layer, RMSNorm twice (float32 cast, square, mean, rsqrt, two
+ * products), rotary embedding on q and k (two products, a negation, a concatenation, a sum) and SwiGLU
+ * (SiLU, a product): ~25 torch ops, each a pass over its operands and an allocation, ~15 ms of a
+ * 64-sequence step (profiled, docs/inference.md). Each function below is one pass, the same arithmetic
+ * in float32, rounding to bfloat16 where torch's bfloat16 ops round (the value of each op, so bf16 results
+ * match torch's to the rounding of the reordered sums). Rows are split over torch's OpenMP threads when
+ * there are enough of them.
+ *
+ * dtype 0: float32, 1: bfloat16 (inputs, outputs and weights alike; cos/sin in the same dtype).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float bf16_to_f32(uint16_t v) {
+    union { uint32_t i; float f; } u = {.i = (uint32_t)v << 16};
+    return u.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet */
+    union { float f; uint32_t i; } u = {.f = f};
+    if ((u.i & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u.i >> 16) | 0x40);
+    return (uint16_t)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
+}
+
+/* exp(y), |relative error| ~1e-7 (Cephes' expf polynomial), saturating outside [-87, 88] */
+static inline float exp_approx(float y) {
+    const float c = y < -87.0f ? -87.0f : (y > 88.0f ? 88.0f : y);
+    const float n = __builtin_rintf(c * 1.44269504088896341f);
+    float r = __builtin_fmaf(n, -0.693359375f, c);
+    r = __builtin_fmaf(n, 2.12194440e-4f, r);
+    const float z = r * r;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * z + r + 1.0f;
+    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
+    return y < -87.0f ? 0.0f : p * scale.f;
+}
+
+#define PARALLEL_MIN 65536 /* elements below which one thread does it all (a fork costs more) */
+
+/* each kernel is written once for both dtypes: T is the element type, LOAD / STORE / ROUND convert */
+#define LOAD_F32(p, i) ((p)[i])
+#define STORE_F32(p, i, v) ((p)[i] = (v))
+#define ROUND_F32(v) (v)
+#define LOAD_BF16(p, i) bf16_to_f32((p)[i])
+#define STORE_BF16(p, i, v) ((p)[i] = f32_to_bf16(v))
+#define ROUND_BF16(v) bf16_to_f32(f32_to_bf16(v))
+
+/* out[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps)) over rows of `dim` (HF's RMSNorm: normalise in float32,
+ * round to the dtype, then scale) */
+#define RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                                                 \
+    static void NAME(const T *x, const T *w, T *out, int64_t rows, int64_t dim, float eps) {                 \
+        _Pragma("omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN)")                         \
+        for (int64_t r = 0; r < rows; ++r) {                                                                 \
+            const T *xr = x + r * dim;                                                                       \
+            T *o = out + r * dim;                                                                            \
+            float ss = 0.0f;                                                                                 \
+            _Pragma("omp simd reduction(+ : ss)")                                                            \
+            for (int64_t j = 0; j < dim; ++j) { const float v = LOAD(xr, j); ss += v * v; }                  \
+            const float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                           \
+            _Pragma("omp simd")                                                                              \
+            for (int64_t j = 0; j < dim; ++j) STORE(o, j, LOAD(w, j) * ROUND(LOAD(xr, j) * inv));           \
+        }                                                                                                    \
+    }
+RMS_NORM(rms_norm_f32, float, LOAD_F32, STORE_F32, ROUND_F32)
+RMS_NORM(rms_norm_bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16)
+
+void tandem_rms_norm(const void *x, const void *w, void *out, int64_t rows, int64_t dim, float eps, int bf16) {
+    if (bf16) rms_norm_bf16(x, w, out, rows, dim, eps);
+    else rms_norm_f32(x, w, out, rows, dim, eps);
+}
+
+/* out = silu(a) * b elementwise, silu(a) = a / (1 + exp(-a)) rounded to the dtype first, as torch does */
+#define SWIGLU(NAME, T, LOAD, STORE, ROUND)                                                                   \
+    static void NAME(const T *a, const T *b, T *out, int64_t n) {                                            \
+        _Pragma("omp parallel for simd schedule(static) if (n >= PARALLEL_MIN)")                             \
+        for (int64_t i = 0; i < n; ++i) {                                                                    \
+            const float v = LOAD(a, i);                                                                      \
+            STORE(out, i, ROUND(v / (1.0f + exp_approx(-v))) * LOAD(b, i));                                 \
+        }                                                                                                    \
+    }
+SWIGLU(swiglu_f32, float, LOAD_F32, STORE_F32, ROUND_F32)
+SWIGLU(swiglu_bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16)
+
+void tandem_swiglu(const void *a, const void *b, void *out, int64_t n, int bf16) {
+    if (bf16) swiglu_bf16(a, b, out, n);
+    else swiglu_f32(a, b, out, n);
+}
+
+/* x [rows, heads, dim] (row stride `stride` elements, heads contiguous), cos/sin [rows, dim]:
+ * out [rows, heads, dim] contiguous = x * cos + rotate_half(x) * sin, rotate_half([p, q]) = [-q, p] */
+#define ROTARY(NAME, T, LOAD, STORE, ROUND)                                                                   \
+    static void NAME(const T *x, int64_t stride, const T *cs, const T *sn, T *out, int64_t rows, int64_t heads, \
+                     int64_t dim) {                                                                          \
+        const int64_t half = dim / 2;                                                                        \
+        _Pragma("omp parallel for schedule(static) if (rows * heads * dim >= PARALLEL_MIN)")                 \
+        for (int64_t r = 0; r < rows; ++r) {                                                                 \
+            const T *c = cs + r * dim, *s = sn + r * dim;                                                    \
+            for (int64_t h = 0; h < heads; ++h) {                                                            \
+                const T *xi = x + r * stride + h * dim;                                                      \
+                T *o = out + (r * heads + h) * dim;                                                          \
+                _Pragma("omp simd")                                                                          \
+                for (int64_t j = 0; j < half; ++j) {                                                         \
+                    const float p = LOAD(xi, j), q = LOAD(xi, j + half);                                     \
+                    STORE(o, j, ROUND(p * LOAD(c, j)) + ROUND(-q * LOAD(s, j)));                             \
+                    STORE(o, j + half, ROUND(q * LOAD(c, j + half)) + ROUND(p * LOAD(s, j + half)));         \
+                }                                                                                            \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+ROTARY(rotary_f32, float, LOAD_F32, STORE_F32, ROUND_F32)
+ROTARY(rotary_bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16)
+
+void tandem_rotary(const void *x, int64_t stride, const void *cos_, const void *sin_, void *out, int64_t rows,
+                   int64_t heads, int64_t dim, int bf16) {
+    if (bf16) rotary_bf16(x, stride, cos_, sin_, out, rows, heads, dim);
+    else rotary_f32(x, stride, cos_, sin_, out, rows, heads, dim);
+}
