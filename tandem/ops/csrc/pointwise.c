@@ -25,7 +25,8 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept
     return (uint16_t)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
 }
 
-/* exp(y), |relative error| ~1e-7 (Cephes' expf polynomial), saturating outside [-87, 88] */
+/* exp(y), |relative error| ~1e-7 (Cephes' expf polynomial); 0 below -87, +inf above 88 (as expf overflows:
+ * silu(a) of a very negative a is then -0, not a tiny number) */
 static inline float exp_approx(float y) {
     const float c = y < -87.0f ? -87.0f : (y > 88.0f ? 88.0f : y);
     const float n = __builtin_rintf(c * 1.44269504088896341f);
@@ -40,10 +41,21 @@ static inline float exp_approx(float y) {
     p = p * r + 5.0000001201e-1f;
     p = p * z + r + 1.0f;
     union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
-    return y < -87.0f ? 0.0f : p * scale.f;
+    return y < -87.0f ? 0.0f : (y > 88.0f ? INFINITY : p * scale.f);
 }
 
-#define PARALLEL_MIN 65536 /* elements below which one thread does it all (a fork costs more) */
+#define PARALLEL_MIN 65536 /* elements below which one thread does it all */
+#define CHUNK 4096          /* elements per unit of work of SwiGLU */
+
+/* Below PARALLEL_MIN the loops run outside any OpenMP region: even `omp parallel if (0)` costs a few
+ * microseconds, and a decode step at one sequence makes ~150 of these calls. */
+#define SPLIT(work, n, CALL)                                                                                  \
+    if ((work) >= PARALLEL_MIN) {                                                                            \
+        _Pragma("omp parallel for schedule(static)")                                                         \
+        for (int64_t i = 0; i < (n); ++i) CALL;                                                              \
+    } else {                                                                                                 \
+        for (int64_t i = 0; i < (n); ++i) CALL;                                                              \
+    }
 
 /* each kernel is written once for both dtypes: T is the element type, LOAD / STORE / ROUND convert */
 #define LOAD_F32(p, i) ((p)[i])
@@ -56,18 +68,16 @@ static inline float exp_approx(float y) {
 /* out[r] = w * (x[r] * rsqrt(mean(x[r]^2) + eps)) over rows of `dim` (HF's RMSNorm: normalise in float32,
  * round to the dtype, then scale) */
 #define RMS_NORM(NAME, T, LOAD, STORE, ROUND)                                                                 \
+    static inline void NAME##_row(const T *xr, const T *w, T *o, int64_t dim, float eps) {                  \
+        float ss = 0.0f;                                                                                     \
+        _Pragma("omp simd reduction(+ : ss)")                                                                \
+        for (int64_t j = 0; j < dim; ++j) { const float v = LOAD(xr, j); ss += v * v; }                      \
+        const float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                               \
+        _Pragma("omp simd")                                                                                  \
+        for (int64_t j = 0; j < dim; ++j) STORE(o, j, LOAD(w, j) * ROUND(LOAD(xr, j) * inv));               \
+    }                                                                                                        \
     static void NAME(const T *x, const T *w, T *out, int64_t rows, int64_t dim, float eps) {                 \
-        _Pragma("omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN)")                         \
-        for (int64_t r = 0; r < rows; ++r) {                                                                 \
-            const T *xr = x + r * dim;                                                                       \
-            T *o = out + r * dim;                                                                            \
-            float ss = 0.0f;                                                                                 \
-            _Pragma("omp simd reduction(+ : ss)")                                                            \
-            for (int64_t j = 0; j < dim; ++j) { const float v = LOAD(xr, j); ss += v * v; }                  \
-            const float inv = 1.0f / sqrtf(ss / (float)dim + eps);                                           \
-            _Pragma("omp simd")                                                                              \
-            for (int64_t j = 0; j < dim; ++j) STORE(o, j, LOAD(w, j) * ROUND(LOAD(xr, j) * inv));           \
-        }                                                                                                    \
+        SPLIT(rows * dim, rows, NAME##_row(x + i * dim, w, out + i * dim, dim, eps))                         \
     }
 RMS_NORM(rms_norm_f32, float, LOAD_F32, STORE_F32, ROUND_F32)
 RMS_NORM(rms_norm_bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16)
@@ -79,12 +89,17 @@ void tandem_rms_norm(const void *x, const void *w, void *out, int64_t rows, int6
 
 /* out = silu(a) * b elementwise, silu(a) = a / (1 + exp(-a)) rounded to the dtype first, as torch does */
 #define SWIGLU(NAME, T, LOAD, STORE, ROUND)                                                                   \
-    static void NAME(const T *a, const T *b, T *out, int64_t n) {                                            \
-        _Pragma("omp parallel for simd schedule(static) if (n >= PARALLEL_MIN)")                             \
+    static inline void NAME##_chunk(const T *a, const T *b, T *out, int64_t n) {                            \
+        _Pragma("omp simd")                                                                                  \
         for (int64_t i = 0; i < n; ++i) {                                                                    \
             const float v = LOAD(a, i);                                                                      \
             STORE(out, i, ROUND(v / (1.0f + exp_approx(-v))) * LOAD(b, i));                                 \
         }                                                                                                    \
+    }                                                                                                        \
+    static void NAME(const T *a, const T *b, T *out, int64_t n) {                                            \
+        const int64_t chunks = (n + CHUNK - 1) / CHUNK;                                                      \
+        SPLIT(n, chunks, NAME##_chunk(a + i * CHUNK, b + i * CHUNK, out + i * CHUNK,                        \
+                                      n - i * CHUNK < CHUNK ? n - i * CHUNK : CHUNK))                        \
     }
 SWIGLU(swiglu_f32, float, LOAD_F32, STORE_F32, ROUND_F32)
 SWIGLU(swiglu_bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16)
@@ -97,23 +112,23 @@ void tandem_swiglu(const void *a, const void *b, void *out, int64_t n, int bf16)
 /* x [rows, heads, dim] (row stride `stride` elements, heads contiguous), cos/sin [rows, dim]:
  * out [rows, heads, dim] contiguous = x * cos + rotate_half(x) * sin, rotate_half([p, q]) = [-q, p] */
 #define ROTARY(NAME, T, LOAD, STORE, ROUND)                                                                   \
-    static void NAME(const T *x, int64_t stride, const T *cs, const T *sn, T *out, int64_t rows, int64_t heads, \
-                     int64_t dim) {                                                                          \
+    static inline void NAME##_row(const T *x, const T *c, const T *s, T *out, int64_t heads, int64_t dim) { \
         const int64_t half = dim / 2;                                                                        \
-        _Pragma("omp parallel for schedule(static) if (rows * heads * dim >= PARALLEL_MIN)")                 \
-        for (int64_t r = 0; r < rows; ++r) {                                                                 \
-            const T *c = cs + r * dim, *s = sn + r * dim;                                                    \
-            for (int64_t h = 0; h < heads; ++h) {                                                            \
-                const T *xi = x + r * stride + h * dim;                                                      \
-                T *o = out + (r * heads + h) * dim;                                                          \
-                _Pragma("omp simd")                                                                          \
-                for (int64_t j = 0; j < half; ++j) {                                                         \
-                    const float p = LOAD(xi, j), q = LOAD(xi, j + half);                                     \
-                    STORE(o, j, ROUND(p * LOAD(c, j)) + ROUND(-q * LOAD(s, j)));                             \
-                    STORE(o, j + half, ROUND(q * LOAD(c, j + half)) + ROUND(p * LOAD(s, j + half)));         \
-                }                                                                                            \
+        for (int64_t h = 0; h < heads; ++h) {                                                                \
+            const T *xi = x + h * dim;                                                                       \
+            T *o = out + h * dim;                                                                            \
+            _Pragma("omp simd")                                                                              \
+            for (int64_t j = 0; j < half; ++j) {                                                             \
+                const float p = LOAD(xi, j), q = LOAD(xi, j + half);                                         \
+                STORE(o, j, ROUND(p * LOAD(c, j)) + ROUND(-q * LOAD(s, j)));                                 \
+                STORE(o, j + half, ROUND(q * LOAD(c, j + half)) + ROUND(p * LOAD(s, j + half)));             \
             }                                                                                                \
         }                                                                                                    \
+    }                                                                                                        \
+    static void NAME(const T *x, int64_t stride, const T *cs, const T *sn, T *out, int64_t rows, int64_t heads, \
+                     int64_t dim) {                                                                          \
+        SPLIT(rows * heads * dim, rows,                                                                      \
+              NAME##_row(x + i * stride, cs + i * dim, sn + i * dim, out + i * heads * dim, heads, dim))     \
     }
 ROTARY(rotary_f32, float, LOAD_F32, STORE_F32, ROUND_F32)
 ROTARY(rotary_bf16, uint16_t, LOAD_BF16, STORE_BF16, ROUND_BF16)
