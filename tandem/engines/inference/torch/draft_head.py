@@ -39,7 +39,7 @@ from torch import nn
 
 from tandem.core.speculative import SpeculativeConfig
 from tandem.engines.inference.torch.speculative import DraftDist
-from tandem.ops.linear import fast_linear
+from tandem.ops.linear import fast_linear, install_fast_linears
 
 __all__ = ["DraftHead", "HeadDrafter"]
 
@@ -60,6 +60,7 @@ class DraftHead(nn.Module):
         index = torch.full((vocab,), -1, dtype=torch.long)
         index[token_ids] = torch.arange(len(token_ids))
         self.register_buffer("index", index)  # vocabulary id -> draft-vocabulary row (-1: outside)
+        install_fast_linears(self)  # oneDNN inside the engine's fast_linear_scope
 
     def forward(self, h: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
         return h + self.fc2(F.silu(self.fc1(torch.cat([h, embedded], dim=-1))))

@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 import tandem
 from tandem.core.protocols import (
@@ -68,7 +67,14 @@ from tandem.models.lean_ops import pointwise_kernels
 from tandem.models.registry import resolve_model
 from tandem.models.transformer import CausalLM
 from tandem.ops.batch_invariant import KEY_TILE, batch_invariant_mode, round_up
-from tandem.ops.linear import copy_and_repack, fast_linear_mode, pack_weights, repack
+from tandem.ops.linear import (
+    copy_and_repack,
+    fast_linear_scope,
+    install_fast_linears,
+    linear,
+    pack_weights,
+    repack,
+)
 
 __all__ = ["EngineAsleepError", "TorchEngine"]
 
@@ -113,6 +119,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
                 resolve_model(config.model.name), dtype=config.model.torch_dtype, device=device
             )
         self.model = model.eval().requires_grad_(False)
+        install_fast_linears(self.model)  # its linears honour fast_linear_scope (each step's numerics)
         args = self.model.args
         if config.max_model_len > args.max_position_embeddings:
             raise ValueError(
@@ -473,7 +480,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             if self.config.deterministic:
                 numerics = batch_invariant_mode(packed=self._packed)
             else:
-                numerics = fast_linear_mode(packed=self._packed)
+                numerics = fast_linear_scope(self._packed)  # not a TorchFunctionMode: tandem/ops/linear.py
             with torch.inference_mode(), numerics, pointwise_kernels(self._native_pointwise):
                 self._guarded_step()
             return True
@@ -569,9 +576,10 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             self._record_routing(plan, recorded)
         verify_rows = list(range(offset, offset + sum(c.count for _, c, _ in plan.verify)))
         if rows or verify_rows:
-            # the vocabulary projection exactly as models/logprobs.py computes it (F.linear, then float32)
+            # the vocabulary projection exactly as models/logprobs.py computes it (F.linear, then float32;
+            # `linear` is F.linear outside the normal mode's fast_linear_scope)
             picked = torch.tensor(rows + verify_rows, device=device)
-            logits = F.linear(hidden[picked], self.model.lm_head.weight).float()
+            logits = linear(hidden[picked], self.model.lm_head.weight).float()
             learns = self._drafter is not None and self._drafter.needs_hidden
             lse = torch.logsumexp(logits, dim=-1) if learns else None  # the draft head's targets' normaliser
             if rows:

@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
-from tandem.ops.linear import CAN_PACK, pack_into
+from tandem.ops.linear import CAN_PACK, linear, pack_into
 
 __all__ = ["Adapter", "AdapterRows", "ServedAdapters", "parse_adapter"]
 
@@ -211,11 +210,11 @@ class ServedAdapters:
                 scaling = adapter.scaling * sign
                 if idx is None:
                     xa = x if x.dtype == a.dtype else x.to(a.dtype)
-                    out = (out + F.linear(F.linear(xa, a), b) * scaling).to(out.dtype)
+                    out = (out + linear(linear(xa, a), b) * scaling).to(out.dtype)
                 else:
                     xs = x[idx]
                     xa = xs if xs.dtype == a.dtype else xs.to(a.dtype)
-                    out[idx] = (out[idx] + F.linear(F.linear(xa, a), b) * scaling).to(out.dtype)
+                    out[idx] = (out[idx] + linear(linear(xa, a), b) * scaling).to(out.dtype)
             return out
 
         return hook
