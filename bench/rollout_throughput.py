@@ -17,6 +17,7 @@ between vLLM's log-probs and the FSDP2 trainer's.
     .venv/bin/python bench/rollout_throughput.py --attention-ab 32x400   # native vs torch decode attention only
     .venv/bin/python bench/rollout_throughput.py --sampler-ab 64x64      # native vs torch sampler only
     .venv/bin/python bench/rollout_throughput.py --pointwise-ab 64x64    # native vs torch RMSNorm/rotary/SwiGLU
+    .venv/bin/python bench/rollout_throughput.py --scope-ab 1x64         # steps in fast_linear_scope vs the old mode
 
 Throughput counts generated tokens (every side generates exactly ``--new-tokens`` per sequence,
 asserted) over the wall time of the whole call (prefill included).
@@ -315,6 +316,33 @@ def kernel_ab(option: str, spec: str, dtype: str, threads: int, repeats: int) ->
     return {"seqs": seqs, "new_tokens": new, "dtype": dtype, **out}
 
 
+def scope_ab(spec: str, dtype: str, threads: int, repeats: int) -> dict:
+    """One engine, its steps alternating between `fast_linear_scope` (the default) and the
+    `fast_linear_mode` TorchFunctionMode it replaced (the same oneDNN products; the mode adds ~1 us to every
+    torch call of the step), on the same work (``spec`` = ``SEQSxNEW``): tokens/s."""
+    from tandem.engines.inference.torch import engine as engine_module
+    from tandem.ops.linear import fast_linear_mode, fast_linear_scope
+
+    seqs, new = (int(x) for x in spec.lower().split("x"))
+    prompts = make_prompts(seqs)
+    engine = make_engine(dtype, False, threads, seqs)
+    arms = {"scope": fast_linear_scope, "mode": lambda packed: fast_linear_mode(packed=packed)}
+    walls: dict[str, list[float]] = {arm: [] for arm in arms}
+    try:
+        for _ in range(repeats):
+            for arm, numerics in arms.items():
+                engine_module.fast_linear_scope = numerics
+                walls[arm].append(run_tandem(engine, prompts, new))
+    finally:
+        engine_module.fast_linear_scope = fast_linear_scope
+        engine.close()
+    out = {arm: {"tok_s": round(seqs * new / med(w), 1), "spread": spread(w)} for arm, w in walls.items()}
+    for arm, o in out.items():
+        print(f"{dtype:<5} {seqs} seqs x {new} tokens, {arm:>5}: {o['tok_s']:7.1f} tok/s (spread {o['spread']})")
+    return {"seqs": seqs, "new_tokens": new, "dtype": dtype, **out,
+            "scope_over_mode": round(out["scope"]["tok_s"] / out["mode"]["tok_s"], 3)}
+
+
 def _checkpoint() -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -359,7 +387,17 @@ def main() -> None:
                     help="only compare the native vs the torch sampler on this work (e.g. 64x64), fp32 and bf16")
     ap.add_argument("--pointwise-ab", metavar="SEQSxNEW",
                     help="only compare native vs torch RMSNorm / rotary / SwiGLU on this work (e.g. 64x64), fp32 and bf16")
+    ap.add_argument("--scope-ab", metavar="SEQSxNEW",
+                    help="only compare steps in fast_linear_scope vs fast_linear_mode on this work, fp32 and bf16")
     args = ap.parse_args()
+    if args.scope_ab:
+        torch.set_num_threads(args.threads)
+        result = {"model": MODEL, "repeats": args.repeats, "load_avg_start": round(os.getloadavg()[0], 2)}
+        for dtype in ("float32",) if args.no_bf16 else ("float32", "bfloat16"):
+            result[dtype] = scope_ab(args.scope_ab, dtype, args.threads, args.repeats)
+        result["load_avg_end"] = round(os.getloadavg()[0], 2)
+        print("RESULT " + json.dumps(result))
+        return
     if args.attention_ab or args.sampler_ab or args.pointwise_ab:
         torch.set_num_threads(args.threads)
         result = {"model": MODEL, "repeats": args.repeats, "load_avg_start": round(os.getloadavg()[0], 2)}
