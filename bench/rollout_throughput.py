@@ -316,17 +316,23 @@ def kernel_ab(option: str, spec: str, dtype: str, threads: int, repeats: int) ->
     return {"seqs": seqs, "new_tokens": new, "dtype": dtype, **out}
 
 
-def scope_ab(spec: str, dtype: str, threads: int, repeats: int) -> dict:
-    """One engine, its steps alternating between `fast_linear_scope` (the default) and the
-    `fast_linear_mode` TorchFunctionMode it replaced (the same oneDNN products; the mode adds ~1 us to every
-    torch call of the step), on the same work (``spec`` = ``SEQSxNEW``): tokens/s."""
+def scope_ab(spec: str, dtype: str, threads: int, repeats: int, deterministic: bool = False) -> dict:
+    """One engine, its steps alternating between `fast_linear_scope` (the default) and the TorchFunctionMode
+    it replaced (`fast_linear_mode`, or `batch_invariant_mode` with ``deterministic``: the same products;
+    the mode adds ~1 us to every torch call of the step), on the same work (``spec`` = ``SEQSxNEW``):
+    tokens/s."""
     from tandem.engines.inference.torch import engine as engine_module
+    from tandem.ops.batch_invariant import batch_invariant_mode
     from tandem.ops.linear import fast_linear_mode, fast_linear_scope
 
     seqs, new = (int(x) for x in spec.lower().split("x"))
     prompts = make_prompts(seqs)
-    engine = make_engine(dtype, False, threads, seqs)
-    arms = {"scope": fast_linear_scope, "mode": lambda packed: fast_linear_mode(packed=packed)}
+    engine = make_engine(dtype, deterministic, threads, seqs)
+
+    def mode(packed, invariant=False):
+        return batch_invariant_mode(packed=packed) if invariant else fast_linear_mode(packed=packed)
+
+    arms = {"scope": fast_linear_scope, "mode": mode}
     walls: dict[str, list[float]] = {arm: [] for arm in arms}
     try:
         for _ in range(repeats):
@@ -338,8 +344,9 @@ def scope_ab(spec: str, dtype: str, threads: int, repeats: int) -> dict:
         engine.close()
     out = {arm: {"tok_s": round(seqs * new / med(w), 1), "spread": spread(w)} for arm, w in walls.items()}
     for arm, o in out.items():
-        print(f"{dtype:<5} {seqs} seqs x {new} tokens, {arm:>5}: {o['tok_s']:7.1f} tok/s (spread {o['spread']})")
-    return {"seqs": seqs, "new_tokens": new, "dtype": dtype, **out,
+        print(f"{dtype:<5} {seqs} seqs x {new} tokens{' deterministic' if deterministic else ''}, {arm:>5}: "
+              f"{o['tok_s']:7.1f} tok/s (spread {o['spread']})")
+    return {"seqs": seqs, "new_tokens": new, "dtype": dtype, "deterministic": deterministic, **out,
             "scope_over_mode": round(out["scope"]["tok_s"] / out["mode"]["tok_s"], 3)}
 
 
@@ -389,12 +396,13 @@ def main() -> None:
                     help="only compare native vs torch RMSNorm / rotary / SwiGLU on this work (e.g. 64x64), fp32 and bf16")
     ap.add_argument("--scope-ab", metavar="SEQSxNEW",
                     help="only compare steps in fast_linear_scope vs fast_linear_mode on this work, fp32 and bf16")
+    ap.add_argument("--deterministic", action="store_true", help="--scope-ab on the deterministic engine")
     args = ap.parse_args()
     if args.scope_ab:
         torch.set_num_threads(args.threads)
         result = {"model": MODEL, "repeats": args.repeats, "load_avg_start": round(os.getloadavg()[0], 2)}
         for dtype in ("float32",) if args.no_bf16 else ("float32", "bfloat16"):
-            result[dtype] = scope_ab(args.scope_ab, dtype, args.threads, args.repeats)
+            result[dtype] = scope_ab(args.scope_ab, dtype, args.threads, args.repeats, args.deterministic)
         result["load_avg_end"] = round(os.getloadavg()[0], 2)
         print("RESULT " + json.dumps(result))
         return

@@ -28,9 +28,28 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-__all__ = ["pointwise_kernels", "rms_norm", "rotary", "swiglu"]
+__all__ = ["pointwise_kernels", "rms_norm", "rotary", "silu", "silu_override", "swiglu"]
 
-_native = threading.local()  # .lib: tandem.ops.native's "pointwise" library inside `pointwise_kernels`
+_native = threading.local()  # .lib: tandem.ops.native's "pointwise" library inside `pointwise_kernels`;
+# .silu: the SiLU inside `silu_override`
+
+
+@contextlib.contextmanager
+def silu_override(fn) -> Iterator[None]:
+    """Inside (this thread), `silu` (and `swiglu`'s SiLU) is ``fn``: the engine's deterministic mode passes
+    `tandem.ops.batch_invariant.invariant_silu`, what `batch_invariant_mode` swaps in for ``F.silu``."""
+    previous = getattr(_native, "silu", None)
+    _native.silu = fn
+    try:
+        yield
+    finally:
+        _native.silu = previous
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """``F.silu``, or the function of the enclosing `silu_override`."""
+    fn = getattr(_native, "silu", None)
+    return F.silu(x) if fn is None else fn(x)
 
 
 @contextlib.contextmanager
@@ -169,4 +188,4 @@ def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     lib, native = _kernels()
     if lib is not None and (out := native.swiglu(lib, a, b)) is not None:
         return out
-    return F.silu(a) * b
+    return silu(a) * b

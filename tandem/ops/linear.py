@@ -259,27 +259,32 @@ def fast_linear_mode(enabled: bool = True, *, packed: PackedWeights | None = Non
         yield
 
 
-_scope = threading.local()  # .packed: the packed weights inside `fast_linear_scope` (None outside)
+_scope = threading.local()  # inside `fast_linear_scope`: .packed (the packed weights), .impl (the product)
 
 
 @contextlib.contextmanager
-def fast_linear_scope(packed: PackedWeights | None = None) -> Iterator[None]:
+def fast_linear_scope(packed: PackedWeights | None = None, *, invariant: bool = False) -> Iterator[None]:
     """Inside (this thread), every ``nn.Linear`` that `install_fast_linears` set up, and `linear`, run
-    `fast_linear` with ``packed``: what `fast_linear_mode` does for them, without a per-call mode."""
-    previous = getattr(_scope, "packed", None)
-    _scope.packed = {} if packed is None else packed
+    `fast_linear` with ``packed`` (with ``invariant``: `tandem.ops.batch_invariant.invariant_linear`), what
+    `fast_linear_mode` (`batch_invariant_mode`) does for them, without a per-call mode."""
+    if invariant:
+        from tandem.ops.batch_invariant import invariant_linear as impl
+    else:
+        impl = fast_linear
+    previous = getattr(_scope, "packed", None), getattr(_scope, "impl", None)
+    _scope.packed, _scope.impl = ({} if packed is None else packed), impl
     try:
         yield
     finally:
-        _scope.packed = previous
+        _scope.packed, _scope.impl = previous
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, or `fast_linear` inside a `fast_linear_scope`."""
+    """``F.linear``, or the scope's product inside a `fast_linear_scope`."""
     packed = getattr(_scope, "packed", None)
     if packed is None:
         return F.linear(x, weight, bias)
-    return fast_linear(x, weight, bias, packed=packed)
+    return _scope.impl(x, weight, bias, packed=packed)
 
 
 def install_fast_linears(module: torch.nn.Module) -> None:

@@ -39,6 +39,7 @@ from torch import nn
 
 from tandem.core.speculative import SpeculativeConfig
 from tandem.engines.inference.torch.speculative import DraftDist
+from tandem.models.lean_ops import silu
 from tandem.ops.linear import fast_linear, install_fast_linears
 
 __all__ = ["DraftHead", "HeadDrafter"]
@@ -63,7 +64,7 @@ class DraftHead(nn.Module):
         install_fast_linears(self)  # oneDNN inside the engine's fast_linear_scope
 
     def forward(self, h: torch.Tensor, embedded: torch.Tensor) -> torch.Tensor:
-        return h + self.fc2(F.silu(self.fc1(torch.cat([h, embedded], dim=-1))))
+        return h + self.fc2(silu(self.fc1(torch.cat([h, embedded], dim=-1))))  # the deterministic mode's SiLU too
 
     def logits(self, f: torch.Tensor) -> torch.Tensor:
         return fast_linear(f, self.out)  # oneDNN: ~2x MKL's product with a transposed matrix at a few rows

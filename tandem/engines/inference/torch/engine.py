@@ -63,10 +63,10 @@ from tandem.engines.inference.torch.speculative import (
 from tandem.kernels.load import DequantizeOnLoad
 from tandem.kernels.state_dict import find_quantized
 from tandem.models.attention import MoERouting
-from tandem.models.lean_ops import pointwise_kernels
+from tandem.models.lean_ops import pointwise_kernels, silu_override
 from tandem.models.registry import resolve_model
 from tandem.models.transformer import CausalLM
-from tandem.ops.batch_invariant import KEY_TILE, batch_invariant_mode, round_up
+from tandem.ops.batch_invariant import KEY_TILE, invariant_silu, round_up
 from tandem.ops.linear import (
     copy_and_repack,
     fast_linear_scope,
@@ -477,11 +477,11 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             self._absorb()
             if self._sleeping or self._paused or not (self.scheduler.running or self.scheduler.waiting):
                 return False
-            if self.config.deterministic:
-                numerics = batch_invariant_mode(packed=self._packed)
-            else:
-                numerics = fast_linear_scope(self._packed)  # not a TorchFunctionMode: tandem/ops/linear.py
-            with torch.inference_mode(), numerics, pointwise_kernels(self._native_pointwise):
+            # not TorchFunctionModes (they cost ~1 us on every torch call of a step): tandem/ops/linear.py
+            deterministic = self.config.deterministic
+            with (torch.inference_mode(), fast_linear_scope(self._packed, invariant=deterministic),
+                  silu_override(invariant_silu if deterministic else None),
+                  pointwise_kernels(self._native_pointwise)):
                 self._guarded_step()
             return True
         finally:
