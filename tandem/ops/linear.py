@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 __all__ = ["CAN_PACK", "PackedWeights", "copy_and_repack", "fast_linear", "fast_linear_mode", "fast_linear_scope",
-           "install_fast_linears", "linear", "pack_into", "pack_weight", "pack_weights", "repack", "uses_onednn"]
+           "install_fast_linears", "linear", "ScopedLinear", "pack_into", "pack_weight", "pack_weights", "repack", "uses_onednn"]
 
 log = logging.getLogger(__name__)
 
@@ -289,11 +289,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def install_fast_linears(module: torch.nn.Module) -> None:
     """Make every ``nn.Linear`` in ``module`` call `linear` (so `fast_linear_scope` applies to it); outside a
-    scope they behave as before. Sets each layer's ``forward`` (an instance attribute; idempotent)."""
+    scope they behave as before. Switches each layer's class to `ScopedLinear`, a subclass (as FSDP2 swaps
+    classes): still an ``nn.Linear`` to ``isinstance``, picklable, idempotent."""
     for m in module.modules():
-        if type(m) is torch.nn.Linear and "forward" not in m.__dict__:
-            m.forward = _linear_forward.__get__(m)
+        if type(m) is torch.nn.Linear:
+            m.__class__ = ScopedLinear
 
 
-def _linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, self.weight, self.bias)
+class ScopedLinear(torch.nn.Linear):
+    """An ``nn.Linear`` whose product is `linear`: `fast_linear` inside a `fast_linear_scope`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

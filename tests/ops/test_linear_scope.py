@@ -64,6 +64,21 @@ def test_the_scope_is_per_thread_and_restored():
     assert inside.shape == (3, 128)
 
 
+def test_installed_layers_stay_linears_and_pickle():
+    import io
+    import pickle
+
+    net = _net(3)
+    install_fast_linears(net)
+    assert all(isinstance(m, torch.nn.Linear) for m in (net[0], net[2]))
+    copy = pickle.loads(pickle.dumps(net))
+    x = torch.randn(2, 64)
+    assert torch.equal(copy(x), net(x))
+    buf = io.BytesIO()
+    torch.save(net.state_dict(), buf)  # the state dict is unchanged: same keys as a plain Sequential
+    assert set(torch.load(io.BytesIO(buf.getvalue()), weights_only=True)) == set(_net(3).state_dict())
+
+
 def test_gradients_flow_through_installed_layers_in_a_scope():
     net, x = _net(2), torch.randn(4, 64, requires_grad=True)
     install_fast_linears(net)
