@@ -35,15 +35,20 @@ _native = threading.local()  # .lib: tandem.ops.native's "pointwise" library ins
 
 
 @contextlib.contextmanager
-def silu_override(fn) -> Iterator[None]:
-    """Inside (this thread), `silu` (and `swiglu`'s SiLU) is ``fn``: the engine's deterministic mode passes
-    `tandem.ops.batch_invariant.invariant_silu`, what `batch_invariant_mode` swaps in for ``F.silu``."""
-    previous = getattr(_native, "silu", None)
-    _native.silu = fn
+def _setting(name: str, value) -> Iterator[None]:
+    """``_native.<name> = value`` in this thread for the enclosed code, then the previous value again."""
+    previous = getattr(_native, name, None)
+    setattr(_native, name, value)
     try:
         yield
     finally:
-        _native.silu = previous
+        setattr(_native, name, previous)
+
+
+def silu_override(fn) -> contextlib.AbstractContextManager[None]:
+    """Inside (this thread), `silu` (and `swiglu`'s SiLU) is ``fn``: the engine's deterministic mode passes
+    `tandem.ops.batch_invariant.invariant_silu`, what `batch_invariant_mode` swaps in for ``F.silu``."""
+    return _setting("silu", fn)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
@@ -52,19 +57,13 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x) if fn is None else fn(x)
 
 
-@contextlib.contextmanager
-def pointwise_kernels(lib) -> Iterator[None]:
+def pointwise_kernels(lib) -> contextlib.AbstractContextManager[None]:
     """Inside (this thread), `rms_norm`, `rotary` and `swiglu` run one-pass native kernels
     (tandem/ops/csrc/pointwise.c, ``lib = tandem.ops.native.load("pointwise")``) where no gradient is recorded
     and the operands suit them: the same arithmetic up to the order of RMSNorm's sum and a polynomial exp
     (~1e-7 relative). For the embedded engine's normal mode; never the deterministic mode's contract.
     ``lib=None``: a no-op."""
-    previous = getattr(_native, "lib", None)
-    _native.lib = lib
-    try:
-        yield
-    finally:
-        _native.lib = previous
+    return _setting("lib", lib)
 
 
 def _kernels():

@@ -107,7 +107,7 @@ def _build(name: str) -> Path:
     cc = _compiler()
     if cc is None:
         raise NativeKernelError("no C compiler found (cc, gcc, clang or $CC): install one, e.g. apt install gcc")
-    source = (_CSRC / f"{name}.c").read_bytes()
+    source = (_CSRC / f"{name}.c").read_bytes() + b"".join(h.read_bytes() for h in sorted(_CSRC.glob("*.h")))
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:

@@ -77,3 +77,16 @@ def teacher_forced(model, pairs, *, temperature: float = 1.0, invariant: bool = 
             routes.append(recorded[offset : offset + n - 1].numpy())
         offset += n
     return (out, routes) if routing else out
+
+
+def generate_either_way(option: str, name: str = "tiny-qwen3") -> tuple[dict, dict]:
+    """Engines with ``option`` (a native-kernel setting: ``sampler``, ``pointwise``, ...) set to ``torch`` and to
+    ``native``, on the same six requests at temperature 1 with seeds: ``{mode: results}, {mode: health[option]}``."""
+    batch = prompts([5, 3, 9, 1, 17, 4], seed=4)
+    results, health = {}, {}
+    for mode in ("torch", "native"):
+        engine = make_engine(name, **{option: mode})
+        health[mode] = engine.health()[option]
+        results[mode] = engine.generate(requests(batch, temperature=1.0, max_new_tokens=30, seed=7))
+        engine.close()
+    return results, health

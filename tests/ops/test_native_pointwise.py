@@ -88,15 +88,9 @@ def test_gradients_never_take_the_kernels():
 
 @needs_native
 def test_engine_generates_the_same_with_either_pointwise_path():
-    from tests.engines.torch_helpers import make_engine, prompts, requests
+    from tests.engines.torch_helpers import generate_either_way, make_engine
 
-    batch = prompts([5, 3, 9, 1, 17, 4], seed=4)
-    results, health = {}, {}
-    for mode in ("torch", "native"):
-        engine = make_engine("tiny-qwen3", pointwise=mode)
-        health[mode] = engine.health()["pointwise"]
-        results[mode] = engine.generate(requests(batch, temperature=1.0, max_new_tokens=30, seed=7))
-        engine.close()
+    results, health = generate_either_way("pointwise")
     assert health == {"torch": "torch", "native": "native"}
     for a, b in zip(results["torch"], results["native"], strict=True):
         ca, cb = a.completions[0], b.completions[0]

@@ -96,15 +96,9 @@ def test_refuses_bad_arguments():
 def test_engine_samples_the_same_with_either_sampler():
     """Temperature 1 with per-request seeds: the same tokens from both samplers, log-probs up to rounding;
     the deterministic mode keeps the torch sampler (its log-probs are the trainer's bits)."""
-    from tests.engines.torch_helpers import make_engine, prompts, requests
+    from tests.engines.torch_helpers import generate_either_way, make_engine
 
-    batch = prompts([5, 3, 9, 1, 17, 4], seed=4)
-    results, health = {}, {}
-    for mode in ("torch", "native"):
-        engine = make_engine("tiny-qwen3", sampler=mode)
-        health[mode] = engine.health()["sampler"]
-        results[mode] = engine.generate(requests(batch, temperature=1.0, max_new_tokens=30, seed=7))
-        engine.close()
+    results, health = generate_either_way("sampler")
     assert health == {"torch": "torch", "native": "native"}
     for a, b in zip(results["torch"], results["native"], strict=True):
         ca, cb = a.completions[0], b.completions[0]

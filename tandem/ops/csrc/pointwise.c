@@ -14,6 +14,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fast_exp.h"
+
 static inline float bf16_to_f32(uint16_t v) {
     union { uint32_t i; float f; } u = {.i = (uint32_t)v << 16};
     return u.f;
@@ -25,24 +27,6 @@ static inline uint16_t f32_to_bf16(float f) { /* round to nearest even, NaN kept
     return (uint16_t)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
 }
 
-/* exp(y), |relative error| ~1e-7 (Cephes' expf polynomial); 0 below -87, +inf above 88 (as expf overflows:
- * silu(a) of a very negative a is then -0, not a tiny number) */
-static inline float exp_approx(float y) {
-    const float c = y < -87.0f ? -87.0f : (y > 88.0f ? 88.0f : y);
-    const float n = __builtin_rintf(c * 1.44269504088896341f);
-    float r = __builtin_fmaf(n, -0.693359375f, c);
-    r = __builtin_fmaf(n, 2.12194440e-4f, r);
-    const float z = r * r;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * z + r + 1.0f;
-    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
-    return y < -87.0f ? 0.0f : (y > 88.0f ? INFINITY : p * scale.f);
-}
 
 #define PARALLEL_MIN 65536 /* elements below which one thread does it all */
 #define CHUNK 4096          /* elements per unit of work of SwiGLU */
@@ -93,7 +77,7 @@ void tandem_rms_norm(const void *x, const void *w, void *out, int64_t rows, int6
         _Pragma("omp simd")                                                                                  \
         for (int64_t i = 0; i < n; ++i) {                                                                    \
             const float v = LOAD(a, i);                                                                      \
-            STORE(out, i, ROUND(v / (1.0f + exp_approx(-v))) * LOAD(b, i));                                 \
+            STORE(out, i, ROUND(v / (1.0f + tandem_exp(-v))) * LOAD(b, i));                                 \
         }                                                                                                    \
     }                                                                                                        \
     static void NAME(const T *a, const T *b, T *out, int64_t n) {                                            \

@@ -18,26 +18,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "fast_exp.h"
+
 #define BLOCK 256
 
-/* exp(y) for y <= 0 (Cephes' expf polynomial, ~1e-7 relative), 0 below -87 (where expf turns subnormal):
- * plain arithmetic that the compiler vectorises (glibc's vector expf needs -ffinite-math-only). */
-static inline float exp_nonpositive(float y) {
-    const float lo = y < -87.0f ? -87.0f : y;
-    const float n = __builtin_rintf(lo * 1.44269504088896341f);
-    float r = __builtin_fmaf(n, -0.693359375f, lo); /* Cody-Waite: ln 2 in two parts, fused (no reassociation) */
-    r = __builtin_fmaf(n, 2.12194440e-4f, r);
-    const float z = r * r;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * z + r + 1.0f;
-    union { int32_t i; float f; } scale = {.i = ((int32_t)n + 127) << 23};
-    return y < -87.0f ? 0.0f : p * scale.f;
-}
 
 int tandem_sample_f32(const float *logits, int64_t R, int64_t V, int64_t stride, const float *temperature,
                       const double *uniform, int64_t *token, float *logprob) {
@@ -73,7 +57,7 @@ int tandem_sample_f32(const float *logits, int64_t R, int64_t V, int64_t stride,
                 const int64_t lo = b * BLOCK, hi = lo + BLOCK < V ? lo + BLOCK : V;
                 float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-                for (int64_t j = lo; j < hi; ++j) acc += exp_nonpositive(x[j] / div - m);
+                for (int64_t j = lo; j < hi; ++j) acc += tandem_exp(x[j] / div - m);
                 mass[b] = acc;
                 total += acc;
             }
@@ -101,7 +85,7 @@ int tandem_sample_f32(const float *logits, int64_t R, int64_t V, int64_t stride,
             double cum = 0.0, want = target - before;
             int64_t pick = -1, nonzero = lo;
             for (int64_t j = lo; j < hi; ++j) {
-                const float p = exp_nonpositive(x[j] / div - m);
+                const float p = tandem_exp(x[j] / div - m);
                 if (p <= 0.0f) continue;
                 nonzero = j;
                 cum += p;

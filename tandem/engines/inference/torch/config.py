@@ -67,6 +67,16 @@ class TorchEngineConfig:
     # log-probs, fewer target passes when drafts are accepted; None: off (a run's rollout.speculative fills it)
     speculative: SpeculativeConfig | None = None
 
+    def native_kernel(self, name: str, choice: str, device):
+        """Kernel ``name`` of tandem.ops.native for a part set to ``choice`` (auto | native | torch), or None
+        for the torch path: never on GPU nor in the deterministic mode (its batch-invariant ops are the
+        contract). ``native`` raises `tandem.ops.native.NativeKernelError` when it cannot be built."""
+        if choice == "torch" or getattr(device, "type", device) != "cpu" or self.deterministic:
+            return None
+        from tandem.ops import native
+
+        return native.load(name, required=choice == "native")
+
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")

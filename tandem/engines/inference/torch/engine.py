@@ -81,16 +81,6 @@ __all__ = ["EngineAsleepError", "TorchEngine"]
 log = logging.getLogger(__name__)
 
 
-def _native_kernel(name: str, choice: str, config: TorchEngineConfig, device: torch.device):
-    """Kernel ``name`` of tandem.ops.native for a part set to ``choice`` (auto | native | torch), or None for
-    the torch path: never on GPU nor in the deterministic mode (its batch-invariant ops are the contract)."""
-    if choice == "torch" or device.type != "cpu" or config.deterministic:
-        return None
-    from tandem.ops import native
-
-    return native.load(name, required=choice == "native")
-
-
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
     """Copy ``source`` into ``target`` in place. Same-dtype CPU tensors go through numpy: measured
     under load, 272 per-tensor torch ``copy_`` calls (each an OpenMP region) ran at 2.6 GB/s against
@@ -147,9 +137,9 @@ class TorchEngine(AdapterMethods, ScoringMethods):
             device=device,
         )
         self.scheduler = Scheduler(num_slots, config.prefill_chunk)
-        self._native_attention = _native_kernel("decode_attention", config.decode_attention, config, device)
-        self._native_sampler = _native_kernel("sample", config.sampler, config, device)
-        self._native_pointwise = _native_kernel("pointwise", config.pointwise, config, device)
+        self._native_attention = config.native_kernel("decode_attention", config.decode_attention, device)
+        self._native_sampler = config.native_kernel("sample", config.sampler, device)
+        self._native_pointwise = config.native_kernel("pointwise", config.pointwise, device)
         self._weights = dict(self.model.state_dict(keep_vars=True))  # HF names (tied alias included)
         self.adapters = ServedAdapters(self.model, max_adapters=config.max_loras, max_rank=config.lora_max_rank)
         self._policy_adapter: str | None = None  # what requests without ``lora`` use (load_lora_adapter's)
