@@ -567,7 +567,7 @@ class TorchEngine(AdapterMethods, ScoringMethods):
         verify_rows = list(range(offset, offset + sum(c.count for _, c, _ in plan.verify)))
         if rows or verify_rows:
             # the vocabulary projection exactly as models/logprobs.py computes it (F.linear, then float32;
-            # `linear` is F.linear outside the normal mode's fast_linear_scope)
+            # `linear` is the step scope's product: fast_linear, or invariant_linear in the deterministic mode)
             picked = torch.tensor(rows + verify_rows, device=device)
             logits = linear(hidden[picked], self.model.lm_head.weight).float()
             learns = self._drafter is not None and self._drafter.needs_hidden
