@@ -14,7 +14,8 @@ Aim (issue 23): growth < 5% for memory and open files, no more threads at the en
 
 Ends with ``RESULT {json}``: per mode ``rss_growth`` (medians of the window after warm-up and the last
 tenth), ``fds_growth`` (the windows' minimum open files: a leak raises it, a file held open for a moment by
-the background rollout does not), ``threads_growth`` (threads at the end minus after warm-up),
+the background rollout does not), ``threads_growth`` (the last tenth's fewest threads minus the fewest
+after warm-up: one_step_off's rollout thread is alive or finished when a step is sampled, by timing),
 ``s_per_step`` and ``ok``; ``soak_ok`` when every mode passed.
 """
 
@@ -78,7 +79,10 @@ def soak(mode: str, steps: int, save_every: int, warmup: float, out: Path) -> di
         "fds_after_warmup": min(_series(after_warmup, "sys/open_fds")),
         "fds_end": min(_series(last, "sys/open_fds")),
         "fds_growth": growth("sys/open_fds", min),
-        "threads_growth": max(_series(last, "sys/threads")) - max(_series(after_warmup, "sys/threads")),
+        # threads: the floor too. one_step_off starts the next rollout's thread before training; when a step
+        # is sampled it has finished or not by timing (10 or 11 threads), and a leak raises the floor
+        "threads_growth": min(_series(last, "sys/threads")) - min(_series(after_warmup, "sys/threads")),
+        "threads_max_end": max(_series(last, "sys/threads")),
         "s_per_step": wall / steps,
         "wall_s": wall,
     }
