@@ -44,7 +44,6 @@ from tandem.core.protocols import (
     FinishReason,
     GenerationRequest,
     GenerationResult,
-    NamedTensors,
     SamplingParams,
 )
 from tandem.engines.inference.common import derive_seed, error_result
@@ -60,40 +59,21 @@ from tandem.engines.inference.torch.speculative import (
     draft_for_verification,
     make_drafter,
 )
+from tandem.engines.inference.torch.weights import WeightMethods
 from tandem.kernels.load import DequantizeOnLoad
-from tandem.kernels.state_dict import find_quantized
 from tandem.models.attention import MoERouting
 from tandem.models.lean_ops import pointwise_kernels, silu_override
 from tandem.models.registry import resolve_model
 from tandem.models.transformer import CausalLM
 from tandem.ops.batch_invariant import KEY_TILE, invariant_silu, round_up
-from tandem.ops.linear import (
-    copy_and_repack,
-    fast_linear_scope,
-    install_fast_linears,
-    linear,
-    pack_weights,
-    repack,
-)
+from tandem.ops.linear import fast_linear_scope, install_fast_linears, linear
 
 __all__ = ["EngineAsleepError", "TorchEngine"]
 
 log = logging.getLogger(__name__)
 
 
-def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy ``source`` into ``target`` in place. Same-dtype CPU tensors go through numpy: measured
-    under load, 272 per-tensor torch ``copy_`` calls (each an OpenMP region) ran at 2.6 GB/s against
-    8.6 GB/s for ``np.copyto``."""
-    src = source.detach()
-    if (target.device.type == src.device.type == "cpu" and target.dtype == src.dtype
-            and target.dtype != torch.bfloat16 and target.is_contiguous() and src.is_contiguous()):
-        np.copyto(target.numpy(), src.numpy())
-    else:
-        target.copy_(src)
-
-
-class TorchEngine(AdapterMethods, ScoringMethods):
+class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
     """Batched generation with a KV cache, log-probs, live weight updates, LoRA adapters served unmerged
     (`tandem.engines.inference.torch.lora`) and a batch-invariant mode."""
 
@@ -247,62 +227,6 @@ class TorchEngine(AdapterMethods, ScoringMethods):
     def abort_all(self) -> None:
         self._enqueue_abort(None)
 
-    def update_weights(self, named_tensors: NamedTensors, version: int) -> None:
-        """Copy HF-named tensors into the live weights in place, between two steps.
-
-        Every tensor is checked (known name, same shape, floating point) before any is copied, so a bad
-        update leaves the weights untouched. A partial update (one bucket of many) is allowed. With
-        ``quantization``, targeted weights are stored dequantized (`tandem.kernels.load`): quantized
-        tensors + scales are dequantized, full-precision ones quantized then dequantized, and ones the
-        sync layer already dequantized on the same grid are kept as they are.
-        """
-        items = self._incoming(list(named_tensors), version)
-        errors = []
-        for name, tensor in items:
-            target = self._weights.get(name)
-            if target is None:
-                errors.append(f"unknown weight {name!r}")
-            elif tuple(tensor.shape) != tuple(target.shape):
-                errors.append(f"{name}: shape {tuple(tensor.shape)} != engine shape {tuple(target.shape)}")
-            elif not tensor.is_floating_point():
-                errors.append(f"{name}: dtype {tensor.dtype} is not floating point")
-            elif self._quant is not None and (problem := self._quant.problem(name, tensor)):
-                errors.append(problem)
-        if errors:
-            more = f" (+{len(errors) - 5} more)" if len(errors) > 5 else ""
-            raise ValueError(
-                f"update_weights(version={version}) rejected, weights untouched: "
-                + "; ".join(errors[:5])
-                + more
-            )
-        with self._between_steps(), torch.no_grad():
-            self.train_drafter()  # the draft head learns the weights that produced its rollouts, before they change
-            stale = []
-            for name, tensor in items:
-                target = self._weights[name]
-                source = tensor if self._quant is None else self._quant.served(name, tensor, target.dtype)
-                if not copy_and_repack(self._packed, target, source):  # one pass into both copies, in place
-                    _copy_into(target, source)
-                    stale.append(target)
-            repack(self._packed, stale)
-            if self._policy_adapter is not None:  # full weights replace the synced adapter (as vLLM does)
-                policy, self._policy_adapter = self._policy_adapter, None
-                self._fold_policy()  # packed copies it was merged into go back to the (new) plain weights
-                self.adapters.remove(policy)
-            self._version = int(version)
-
-    def _incoming(self, items: list, version: int) -> list:
-        """``items`` with quantized tensors + companions dequantized (needs ``quantization``)."""
-        try:
-            if self._quant is not None:
-                return self._quant.unpack(items, self.model.dtype)
-            quantized = find_quantized(items)
-            if quantized is not None:
-                raise ValueError(f"{quantized!r} is a quantized tensor but TorchEngineConfig.quantization is not set")
-        except ValueError as e:
-            raise ValueError(f"update_weights(version={version}) rejected, weights untouched: {e}") from e
-        return items
-
     def sleep(self) -> None:
         """Free the KV cache for a colocated trainer. Requests must be finished or aborted first."""
         with self._between_steps():
@@ -337,14 +261,6 @@ class TorchEngine(AdapterMethods, ScoringMethods):
 
     def continue_generation(self) -> None:
         self._paused = False
-
-    def _pack(self) -> None:
-        if self.config.pack_weights and self.cache.device.type == "cpu":
-            merge = self._policy_to_merge()  # its weights are packed once, merged, by _fold_policy
-            skip = frozenset(id(self.adapters.linears[m].weight) for m in merge.modules) if merge else frozenset()
-            self._packed.update(pack_weights(self.model, skip=skip))
-            self.adapters.merged = None
-            self._fold_policy(packing=True)
 
     def health(self) -> dict[str, Any]:
         sched = self.scheduler
