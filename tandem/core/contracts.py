@@ -197,7 +197,8 @@ def resolve_contract(settings: RunSettings, cfg: ContractConfig) -> Contract:
          and e.dtype in (None, settings.engine_dtype if settings.engine_dtype == settings.trainer_dtype else None)),
         None,
     )
-    bound = _DEFAULT_BOUND.get(settings.engine_dtype, 0.1)
+    # the less precise side sets the bound (a bf16 trainer against an fp32 engine differs as much as the reverse)
+    bound = max(_DEFAULT_BOUND.get(settings.engine_dtype, 0.1), _DEFAULT_BOUND.get(settings.trainer_dtype, 0.1))
     if entry is None:
         contract = Contract(relation="bounded", tolerance=bound, note="no registered contract: measured only")
     elif entry.contract.relation == "exact":
@@ -248,7 +249,7 @@ class ContractCheck:
                 r, c = int(rows[0]), int(cols[0])
                 sample = int(batch.sample_index[r]) if batch.sample_index is not None else r
                 where = (f"; first at sample {sample}, response position {c}: train "
-                         f"{float(train_lp[r, c]):.9g} vs rollout {float(batch.rollout_log_probs[r, c]):.9g}")
+                         f"{float(train_lp[r, c].detach()):.9g} vs rollout {float(batch.rollout_log_probs[r, c]):.9g}")
             msg = (f"{self.contract.relation} contract broken: mean |train - rollout| = {mean:.3g}"
                    f"{'' if self.contract.relation == 'exact' else f' > {self.contract.tolerance}'}{where}")
             # A bounded relation is measured and corrected (TIS/MIS), so exceeding it warns; an exact one

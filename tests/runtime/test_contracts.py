@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
@@ -71,6 +72,11 @@ def test_bounded_pairs_have_a_tighter_bound_when_both_sides_compute_in_fp32():
         mixed = resolve_contract(_settings(trainer=trainer, engine=engine, engine_dtype="bfloat16"), ContractConfig())
         assert fp32.relation == bf16.relation == mixed.relation == "bounded"
         assert fp32.tolerance == 1e-3 and bf16.tolerance == mixed.tolerance > 0.05
+        # a bf16 trainer (e.g. FSDP's param_dtype) against an fp32 engine: the bf16 bound, not fp32's
+        reverse = resolve_contract(_settings(trainer=trainer, engine=engine, trainer_dtype="bfloat16"), ContractConfig())
+        assert reverse.relation == "bounded" and reverse.tolerance == mixed.tolerance
+    embedded = resolve_contract(_settings(trainer_dtype="bfloat16"), ContractConfig())  # fsdp + torch: exact needs same_dtype
+    assert embedded.relation == "bounded" and embedded.tolerance == 0.1 and "same_dtype" in embedded.note
 
 
 def _batch(rollout: list[list[float]]) -> TrainBatch:
@@ -89,6 +95,10 @@ def test_contract_check_names_first_offending_sample_and_position():
         exact.check(train, batch)
     warn = ContractCheck(contract=Contract(relation="exact", tolerance=0.0), on_violation="warn")
     assert warn.check(train, batch) == {"contract/violation": 1.0} and warn.violations == 1
+    # the trainer's log-probs carry autograd in the first update: the message reads them without a warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert warn.check(train.clone().requires_grad_(), batch) == {"contract/violation": 1.0}
     # padding (beyond a row's response) never counts
     padded = batch.rollout_log_probs.clone()
     padded[0, 2] = 123.0
