@@ -36,8 +36,13 @@ Tandem / TRL of the same pair:
   run on during the other side's turn), ``warmup + steps + 1`` steps: the warm-up steps and the last
   step (it has no rollout to overlap) are dropped.
 
+``--precision bf16`` runs every pair in bf16 mixed precision on both sides (TRL ``bf16=True``: its forward,
+generation included, under autocast; Tandem ``trainer.fsdp.parallel.param_dtype: bfloat16``: the trainer's
+forward under autocast, its engine generating in fp32 as by default); fp32 master weights and optimizer
+state on both. Not the default path of either side: the fp32 run is the headline.
+
 Usage: python bench/vs_trl.py [--prompts 8] [--group 4] [--max-new-tokens 64] [--steps 5] [--warmup 1]
-       [--checkpointing off,on] [--no-paged] [--no-one-step-off]
+       [--checkpointing off,on] [--no-paged] [--no-one-step-off] [--precision fp32|bf16]
 Needs the benchmark-only extra: pip install 'tandem-rl[bench]' (TRL). Ends with ``RESULT {json}``.
 """
 
@@ -77,7 +82,8 @@ def _tandem_cfg(a: dict, mode: str, ckpt: bool, allocator: str = "auto"):
         "algorithm": {"advantage": {"estimator": "grpo"}, "policy_loss": {"aggregation": "token-mean"},
                       **({"off_policy": {"mode": "tis"}} if mode != "sync" else {})},
         "trainer": {"fsdp": {"micro_batch_tokens": 4096, "optimizer": {"lr": a["lr"]},
-                             "parallel": {"activation_checkpointing": ckpt}}},
+                             "parallel": {"activation_checkpointing": ckpt,
+                                          "param_dtype": "bfloat16" if a.get("bf16") else None}}},
         "runtime": {"mode": mode, "allocator": allocator},
         "tracking": {"progress": False},
     })
@@ -156,7 +162,7 @@ def _trl_side(conn, side: str, a: dict) -> None:
         output_dir=a["workdir"], use_cpu=True, use_vllm=False, per_device_train_batch_size=a["prompts"] * a["group"],
         num_generations=a["group"], max_completion_length=a["max_new_tokens"], learning_rate=a["lr"], beta=0.0,
         temperature=1.0, top_p=1.0, top_k=0, max_steps=a["total"], logging_steps=1, save_strategy="no",
-        report_to="none", seed=0, bf16=False, gradient_checkpointing=a["ckpt"], shuffle_dataset=False,
+        report_to="none", seed=0, bf16=bool(a.get("bf16")), gradient_checkpointing=a["ckpt"], shuffle_dataset=False,
         **({"use_transformers_continuous_batching": True, "transformers_continuous_batching_config": PAGED} if paged else {}),
     )
     state = {"step": None, "pending": None, "first": True}
@@ -381,6 +387,9 @@ def main() -> None:
     p.add_argument("--no-one-step-off", action="store_true")
     p.add_argument("--allocator", default="auto",
                    help="host allocator of both sides' processes in every pair (auto: what `tandem train` uses)")
+    p.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                   help="bf16: mixed precision on both sides (TRL bf16=True, Tandem trainer.fsdp.parallel.param_dtype: "
+                        "bfloat16; fp32 master weights and optimizer state on both); every pair of the run")
     p.add_argument("--also-allocator", default="glibc",
                    help="one more checkpointing-off pair with both sides on this allocator ('none': skip)")
     args = p.parse_args()
@@ -395,13 +404,13 @@ def main() -> None:
     except AllocatorError as e:
         p.error(str(e))
     base = {"prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens, "lr": args.lr,
-            "total": args.warmup + args.steps, "allocator": allocator}
+            "total": args.warmup + args.steps, "allocator": allocator, "bf16": args.precision == "bf16"}
     work = tempfile.mkdtemp(prefix="tandem-vs-trl-")
     load = os.getloadavg()[0]
     t_start = time.perf_counter()
     result: dict = {"model": MODEL, "prompts": args.prompts, "group": args.group,
                     "max_new_tokens": args.max_new_tokens, "warmup_steps": args.warmup, "timed_steps": args.steps,
-                    "allocator": allocator}
+                    "allocator": allocator, "precision": args.precision}
     try:
         # (key suffix, TRL side, checkpointing, allocator of both): two sides alive at a time (three would
         # not fit in 23 GB)
