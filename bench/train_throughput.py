@@ -1,9 +1,10 @@
 """Training throughput of the FSDP engine (packing gain vs model gain), and memory per rank, itemised.
 
     .venv/bin/python bench/train_throughput.py [--model smollm2-135m-instruct] [--steps 3]
+                                               [--memory-only | --throughput-only]
 
 1. Throughput, one process, one torch thread: the same batch of mixed-length sequences trained by
-   three arms, steps interleaved (the order rotating each repeat), ``--steps`` repeats, median and
+   four arms, steps interleaved (the order rotating each repeat), ``--steps`` repeats, median and
    spread (min-max) of real (unpadded) tokens per CPU-second (and per wall second): the machine is
    shared, and CPU time is what other jobs do not inflate.
 
@@ -12,7 +13,11 @@
      row right-padded to its micro-batch's longest, as equal-length segments: causal attention keeps
      real tokens off the padding, so the log-probs are the packed ones). The engine has no setting
      for this (``packing = False`` also switches to the HF model), so the bench subclasses it;
-   * ``hf_padded``: ``packing = False``, the HF-model fallback on padded micro-batches.
+   * ``hf_padded``: ``packing = False``, the HF-model fallback on padded micro-batches;
+   * ``native_packed_bf16``: ``native_packed`` with ``parallel.param_dtype: bfloat16`` (the forward under
+     bf16 autocast, fp32 master weights and AdamW state): ``bf16_gain`` = it / ``native_packed`` (on a CPU
+     with AVX512-BF16 or AMX bf16 products run ~2.5x fp32's), ``bf16_loss_delta`` its first step's loss
+     minus fp32's (the same weights and batch).
 
    packing gain = native packed / native padded; model gain = native padded / HF padded; their
    product is the old packed / padded figure. Padding ratio = fed / real tokens of a padded step.
@@ -50,7 +55,7 @@ from tandem.core.sample import Sample  # noqa: E402
 MIB = 2**20
 # prompt + response lengths of the throughput batch: mixed, as RL rollouts are (padding ~2x)
 LENGTHS = [(24, 16), (32, 40), (20, 70), (40, 90), (30, 150), (50, 200)]
-ARMS = ("native_packed", "native_padded", "hf_padded")
+ARMS = ("native_packed", "native_padded", "hf_padded", "native_packed_bf16")
 
 
 def make_batch(shape, seed: int = 0, vocab: int = 49152) -> TrainBatch:
@@ -102,6 +107,10 @@ def make_engine(arm: str, model: str, **kw):
         return FSDPEngine(engine_config(model, packing=False, **kw))
     if arm == "native_packed":
         return FSDPEngine(engine_config(model, packing=True, **kw))
+    if arm == "native_packed_bf16":  # bf16 mixed precision: the forward under autocast, fp32 master weights
+        from tandem.engines.training.fsdp.config import ParallelConfig
+
+        return FSDPEngine(engine_config(model, packing=True, parallel=ParallelConfig(param_dtype="bfloat16"), **kw))
 
     class NativePaddedEngine(FSDPEngine):
         # the library couples the layout to the model (packed <=> native); the bench decouples them
@@ -355,6 +364,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="interleaved repeats per arm (median reported)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the throughput part")
     p.add_argument("--memory-only", action="store_true", help="skip the throughput part")
+    p.add_argument("--throughput-only", action="store_true", help="skip the memory part")
     args = p.parse_args()
     from tandem.models import resolve_model
 
@@ -385,22 +395,20 @@ def main() -> None:
     padding_ratio = runs["hf_padded"]["fed_tokens_per_step"] / runs["hf_padded"]["real_tokens"]
     print(f"packing gain {packing_gain:.2f}x x model gain {model_gain:.2f}x = {packing_gain * model_gain:.2f}x "
           f"(padding ratio {padding_ratio:.2f}: fed / real tokens of a padded step)")
-    mem = {}
-    peaks = {}
-    for world in (1, 2):
-        peaks[world], mem[world] = peak_memory(args.model, world)
-    print_breakdown(mem)
-    mem1, mem2 = peaks[1], peaks[2]
-    print(f"peak memory per rank: world 1 {mem1 / MIB:.0f} MiB, world 2 {mem2 / MIB:.0f} MiB")
-    result = {
+    bf16_gain = tps["native_packed_bf16"] / tps["native_packed"]
+    print(f"bf16 mixed precision (param_dtype bfloat16) over fp32, native packed: {bf16_gain:.2f}x")
+    through = {
         "model": args.model,
         "threads": args.threads,
         "steps": args.steps,
         "native_packed_tokens_per_cpu_s": round(tps["native_packed"], 2),
         "native_padded_tokens_per_cpu_s": round(tps["native_padded"], 2),
         "hf_padded_tokens_per_cpu_s": round(tps["hf_padded"], 2),
+        "native_packed_bf16_tokens_per_cpu_s": round(tps["native_packed_bf16"], 2),
         "packing_gain": round(packing_gain, 3),
         "model_gain": round(model_gain, 3),
+        "bf16_gain": round(bf16_gain, 3),
+        "bf16_loss_delta": round(runs["native_packed_bf16"]["loss"] - runs["native_packed"]["loss"], 6),
         "padding_ratio": round(padding_ratio, 3),
         # the earlier keys: packed = native packed, padded = HF padded (medians now, were best-of)
         "packed_tokens_per_cpu_s": round(tps["native_packed"], 2),
@@ -408,6 +416,18 @@ def main() -> None:
         "packed_vs_padded": round(tps["native_packed"] / tps["hf_padded"], 3),
         "packed_vs_padded_wall": round(wall["native_packed"] / wall["hf_padded"], 3),
         "padded_fed_vs_real_tokens": round(padding_ratio, 3),
+    }
+    if args.throughput_only:
+        print("RESULT " + json.dumps(through))
+        return
+    mem = {}
+    peaks = {}
+    for world in (1, 2):
+        peaks[world], mem[world] = peak_memory(args.model, world)
+    print_breakdown(mem)
+    mem1, mem2 = peaks[1], peaks[2]
+    print(f"peak memory per rank: world 1 {mem1 / MIB:.0f} MiB, world 2 {mem2 / MIB:.0f} MiB")
+    result = through | {
         "peak_mib_world1": round(mem1 / MIB, 1),
         "peak_mib_world2_per_rank": round(mem2 / MIB, 1),
         "memory_ratio_world2": round(mem2 / mem1, 3),
