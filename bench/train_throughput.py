@@ -1,7 +1,8 @@
 """Training throughput of the FSDP engine (packing gain vs model gain), and memory per rank, itemised.
 
     .venv/bin/python bench/train_throughput.py [--model smollm2-135m-instruct] [--steps 3]
-                                               [--memory-only | --throughput-only]
+                                               [--memory-only | --throughput-only] [--shape mixed|grpo]
+                                               [--threads 1]
 
 1. Throughput, one process, one torch thread: the same batch of mixed-length sequences trained by
    four arms, steps interleaved (the order rotating each repeat), ``--steps`` repeats, median and
@@ -55,6 +56,8 @@ from tandem.core.sample import Sample  # noqa: E402
 MIB = 2**20
 # prompt + response lengths of the throughput batch: mixed, as RL rollouts are (padding ~2x)
 LENGTHS = [(24, 16), (32, 40), (20, 70), (40, 90), (30, 150), (50, 200)]
+# --shape: the batch trained ("mixed": LENGTHS; "grpo": the demo's / vs_trl's shape, 32 x (60 + 30) tokens)
+SHAPES = {"mixed": LENGTHS, "grpo": [(60, 30)] * 32}
 ARMS = ("native_packed", "native_padded", "hf_padded", "native_packed_bf16")
 
 
@@ -122,14 +125,14 @@ def make_engine(arm: str, model: str, **kw):
     return NativePaddedEngine(engine_config(model, packing=True, **kw))
 
 
-def throughput(model: str, steps: int) -> dict[str, dict]:
+def throughput(model: str, steps: int, lengths=LENGTHS) -> dict[str, dict]:
     """Per-step wall and CPU time of each arm, steps interleaved and the order rotated each repeat.
 
     The machine is shared: wall time swings with other jobs, while the process's CPU time in one
     thread counts only the work done, so the ratios are taken from CPU time (medians of ``steps``).
     """
     engines = {arm: make_engine(arm, model, micro_batch_tokens=1024) for arm in ARMS}
-    batch = make_batch(LENGTHS)
+    batch = make_batch(lengths)
     real_tokens = int((batch.seq_lengths - 1).sum())
     wall: dict[str, list[float]] = {arm: [] for arm in ARMS}
     cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
@@ -365,6 +368,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="torch threads for the throughput part")
     p.add_argument("--memory-only", action="store_true", help="skip the throughput part")
     p.add_argument("--throughput-only", action="store_true", help="skip the memory part")
+    p.add_argument("--shape", choices=tuple(SHAPES), default="mixed",
+                   help="the throughput batch: mixed lengths (default) or the GRPO demo's 32 x (60 + 30)")
     args = p.parse_args()
     from tandem.models import resolve_model
 
@@ -380,7 +385,7 @@ def main() -> None:
                                       "memory_ratio_world2": round(peaks[2] / peaks[1], 3),
                                       "memory_breakdown_mib": {f"world{w}": mem[w] for w in (1, 2)}}))
         return
-    runs = throughput(args.model, args.steps)
+    runs = throughput(args.model, args.steps, SHAPES[args.shape])
     for arm, r in runs.items():
         lo, hi = r["tokens_per_cpu_s_range"]
         cpus = ", ".join(f"{t:.1f}" for t in r["cpu_s"])
@@ -401,6 +406,7 @@ def main() -> None:
         "model": args.model,
         "threads": args.threads,
         "steps": args.steps,
+        "shape": args.shape,
         "native_packed_tokens_per_cpu_s": round(tps["native_packed"], 2),
         "native_padded_tokens_per_cpu_s": round(tps["native_padded"], 2),
         "hf_padded_tokens_per_cpu_s": round(tps["hf_padded"], 2),
