@@ -70,7 +70,14 @@ def _one_line(e: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # known args first: argparse ends a command's positionals at its first option, so the overrides of
+    # `tandem train RECIPE --run-dir D key=value` (what `make demo DEMO_ARGS=...` runs) would be refused
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if hasattr(args, "overrides") and all("=" in x and not x.startswith("-") for x in extra):
+            args.overrides = [*args.overrides, *extra]  # after the ones before the options: order kept
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     # the process is this command (console script / python -m tandem), not a caller of main(): only then
     # may a command restart it (tandem train under tcmalloc, tandem/runtime/allocator.py)
     args.owns_process = argv is None

@@ -127,3 +127,13 @@ def test_cli_config_prints_resolved_config():
     r = _cli("config", str(RECIPE), "run.seed=7")
     assert r.returncode == 0, r.stderr
     assert yaml.safe_load(r.stdout)["run"]["seed"] == 7
+
+
+def test_cli_overrides_may_follow_options():
+    # `make demo DEMO_ARGS=key=value` runs `tandem train RECIPE --run-dir D key=value`
+    r = _cli("config", str(RECIPE), "run.seed=7", "--debug", "run.steps=3", "run.seed=8")
+    assert r.returncode == 0, r.stderr
+    run = yaml.safe_load(r.stdout)["run"]
+    assert run["seed"] == 8 and run["steps"] == 3  # the later override wins
+    bad = _cli("config", str(RECIPE), "--debug", "--no-such-flag")
+    assert bad.returncode == 2 and "unrecognized arguments: --no-such-flag" in bad.stderr
