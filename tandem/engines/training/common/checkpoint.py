@@ -8,13 +8,16 @@ directory that `read_marker` accepts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["MARKER", "partial_dir", "publish_dir", "read_marker"]
+__all__ = ["MARKER", "partial_dir", "publish_dir", "quiet_single_process", "read_marker"]
 
 MARKER = "tandem_checkpoint.json"
 
@@ -70,3 +73,12 @@ def read_marker(path: str | os.PathLike, expected_format: str, *, what: str = ""
         note = f" ({what})" if what else ""
         raise ValueError(f"{p}: checkpoint format {meta.get('format')!r}, expected {expected_format!r}{note}")
     return meta
+
+
+@contextlib.contextmanager
+def quiet_single_process() -> Iterator[None]:
+    """Around ``torch.distributed.checkpoint`` calls: without a process group (``no_dist``, asked for on
+    purpose) torch warns at every save and load that it "assumes the intent" of one process."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield

@@ -32,7 +32,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from tandem.engines.training.common.checkpoint import MARKER, partial_dir, publish_dir, read_marker
+from tandem.engines.training.common.checkpoint import (
+    MARKER,
+    partial_dir,
+    publish_dir,
+    quiet_single_process,
+    read_marker,
+)
 from tandem.engines.training.fsdp.parallel import DistContext
 
 __all__ = ["MARKER", "Checkpointable", "load_checkpoint", "publish_dir", "read_metadata", "save_checkpoint"]
@@ -109,7 +115,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     ctx.barrier()
-    dcp.save(_app_state(roles), checkpoint_id=str(tmp), no_dist=not ctx.sharded)
+    with quiet_single_process():
+        dcp.save(_app_state(roles), checkpoint_id=str(tmp), no_dist=not ctx.sharded)
     torch.save(_rng_state(), tmp / f"rng_rank{ctx.rank}.pt")
     ctx.barrier()
     if ctx.is_main:
@@ -136,7 +143,8 @@ def load_model_weights(
     probe = Checkpointable(module=module, optimizer=None, scheduler=None, frozen_params_saved=frozen_params_saved)
     model_sd = get_model_state_dict(module, options=_options(probe, loading=False))
     state = {role: {"model": _drop_frozen(module, model_sd, frozen_params_saved)}}
-    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    with quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
     set_model_state_dict(module, state[role]["model"], options=_options(probe, loading=True))
 
 
@@ -150,7 +158,8 @@ def load_checkpoint(path: str | os.PathLike, roles: Mapping[str, Checkpointable]
     if missing:
         raise ValueError(f"{path}: checkpoint has roles {meta['roles']}, not {missing}")
     state = _app_state(roles)
-    dcp.load(state, checkpoint_id=str(path), no_dist=not ctx.sharded)
+    with quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path), no_dist=not ctx.sharded)
     for name, c in roles.items():
         set_state_dict(
             c.module,

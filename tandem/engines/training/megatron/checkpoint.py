@@ -32,7 +32,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from tandem.engines.training.common.checkpoint import MARKER, partial_dir, publish_dir, read_marker
+from tandem.engines.training.common.checkpoint import (
+    MARKER,
+    partial_dir,
+    publish_dir,
+    quiet_single_process,
+    read_marker,
+)
 
 __all__ = ["FORMAT", "load_checkpoint", "read_metadata", "save_checkpoint", "shard_key"]
 
@@ -118,7 +124,8 @@ def save_checkpoint(
     dist.barrier()
     state = _model_state(params, masters)
     state.update(_optim_state([(k, p) for k, p in params if id(p) in owned], optimizer_state))
-    dcp.save(state, checkpoint_id=str(tmp))
+    with quiet_single_process():
+        dcp.save(state, checkpoint_id=str(tmp))
     torch.save(_rng_state(), tmp / f"rng_rank{rank}.pt")
     dist.barrier()
     if rank == 0:
@@ -169,7 +176,8 @@ def load_checkpoint(
                         else torch.zeros_like(like)
                     )
                 state[f"optim/{key}/{name}"] = slot[name]
-    dcp.load(state, checkpoint_id=str(path))
+    with quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path))
     rng_file = Path(path) / f"rng_rank{rank}.pt"
     if rng_file.is_file():  # a different data-parallel size resumes with fresh RNG on new ranks
         _set_rng_state(torch.load(rng_file, weights_only=True))
