@@ -36,10 +36,11 @@ Tandem / TRL of the same pair:
   run on during the other side's turn), ``warmup + steps + 1`` steps: the warm-up steps and the last
   step (it has no rollout to overlap) are dropped.
 
-``--precision bf16`` runs every pair in bf16 mixed precision on both sides (TRL ``bf16=True``: its forward,
-generation included, under autocast; Tandem ``trainer.fsdp.parallel.param_dtype: bfloat16``: the trainer's
-forward under autocast, its engine generating in fp32 as by default); fp32 master weights and optimizer
-state on both. Not the default path of either side: the fp32 run is the headline.
+``--precision bf16`` runs every pair in bf16 on both sides (TRL ``bf16=True``: its forward, generation
+included, under autocast; Tandem ``trainer.fsdp.parallel.param_dtype: bfloat16``, the trainer's forward
+under autocast, and ``inference.torch.model.dtype: bfloat16``, the engine generating in bf16 from the synced
+fp32 weights); fp32 master weights and optimizer state on both. Not the default path of either side: the
+fp32 run is the headline.
 
 Usage: python bench/vs_trl.py [--prompts 8] [--group 4] [--max-new-tokens 64] [--steps 5] [--warmup 1]
        [--checkpointing off,on] [--no-paged] [--no-one-step-off] [--precision fp32|bf16]
@@ -84,6 +85,8 @@ def _tandem_cfg(a: dict, mode: str, ckpt: bool, allocator: str = "auto"):
         "trainer": {"fsdp": {"micro_batch_tokens": 4096, "optimizer": {"lr": a["lr"]},
                              "parallel": {"activation_checkpointing": ckpt,
                                           "param_dtype": "bfloat16" if a.get("bf16") else None}}},
+        # bf16: the engine generates in bf16 too, as TRL's generation runs under its bf16 autocast
+        **({"inference": {"torch": {"model": {"name": MODEL, "dtype": "bfloat16"}}}} if a.get("bf16") else {}),
         "runtime": {"mode": mode, "allocator": allocator},
         "tracking": {"progress": False},
     })
