@@ -1,7 +1,8 @@
 """Run checkpoints: the trainer's DCP checkpoint plus everything else a resume needs, atomically, checksummed.
 
 ``RUN_DIR/checkpoints/step_<k>/`` holds ``trainer/`` (the training engine's checkpoint), ``state.json``
-(step, weight version, data position, KL controller, Python/numpy/torch RNG), ``config.yaml`` and
+(step, weight version, data position, KL controller, Python/numpy/torch RNG), ``config.yaml``,
+``draft_head.safetensors`` when the engine's speculative draft head was trained (`read_drafter_state`) and
 ``manifest.json`` (every other file's size and xxh3-64, computed from the files on disk). The folder is
 assembled as ``.step_<k>.partial`` and renamed into place; ``LATEST`` is rewritten (temp + rename) only
 afterwards, so a crash mid-save never leaves a checkpoint that looks complete.
@@ -39,6 +40,9 @@ __all__ = [
     "checkpoints",
     "latest_checkpoint",
     "load_run_state",
+    "drafter_state",
+    "read_drafter_state",
+    "restore_drafter",
     "restore_latest",
     "rng_state",
     "save_run_checkpoint",
@@ -49,6 +53,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
+DRAFT_HEAD = "draft_head.safetensors"
 _MANIFEST_FORMAT = "tandem-run-checkpoint-1"
 _CHUNK = 16 << 20
 
@@ -219,9 +224,11 @@ def check_finite_weights(trainer, bucket_bytes: int = 1 << 28, *, what: str = "t
 
 
 def save_run_checkpoint(run_dir: str | Path, step: int, trainer, state: dict[str, Any], config: Any, *, keep: int,
-                        check_weights: bool = True, bucket_bytes: int = 1 << 28) -> Path:
+                        check_weights: bool = True, bucket_bytes: int = 1 << 28,
+                        drafter_state: dict[str, torch.Tensor] | None = None) -> Path:
     """Save ``step`` (``state`` may carry its own ``rng``: the state of an earlier moment, e.g. the last
-    completed step). Refuses non-finite weights; prunes beyond ``keep``, never the newest good checkpoint."""
+    completed step). Refuses non-finite weights; prunes beyond ``keep``, never the newest good checkpoint.
+    ``drafter_state``: the engine's draft head (`TorchEngine.drafter_state`), kept beside the trainer."""
     if check_weights:
         check_finite_weights(trainer, bucket_bytes, what=f"step {step}: the trainer's weights (not saved)")
     root = Path(run_dir) / "checkpoints"
@@ -232,6 +239,10 @@ def save_run_checkpoint(run_dir: str | Path, step: int, trainer, state: dict[str
     tmp.mkdir()
     trainer.save(str(tmp / "trainer"))
     (tmp / "state.json").write_text(json.dumps({"rng": rng_state(), **state, "step": step}))
+    if drafter_state:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in drafter_state.items()}, str(tmp / DRAFT_HEAD))
     save_config(config, tmp / "config.yaml")
     _write_manifest(tmp)
     if final.exists():
@@ -292,3 +303,34 @@ def restore_latest(run_dir: str | Path, trainer, *, bucket_bytes: int = 1 << 28)
         except CheckpointError as e:
             log.error("%s; looking for an older checkpoint", e)
             failed += (ckpt,)
+
+
+def read_drafter_state(ckpt: str | Path) -> dict[str, torch.Tensor] | None:
+    """The draft head a checkpoint kept (None when it has none); the manifest covers the file."""
+    path = Path(ckpt) / DRAFT_HEAD
+    if not path.is_file():
+        return None
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def drafter_state(engine) -> dict[str, torch.Tensor] | None:
+    """The engine's trained draft head, when the engine is in this process and has one (engines behind a
+    process or Ray boundary keep theirs: their heads learn again after a resume)."""
+    state = getattr(engine, "drafter_state", None)
+    return state() if state is not None else None
+
+
+def restore_drafter(ckpt: str | Path, engine) -> None:
+    """Put the checkpoint's draft head back into ``engine`` (a resume); one that no longer fits (another
+    drafter or model) is logged and left: the head learns again, the run goes on."""
+    state = read_drafter_state(ckpt)
+    load = getattr(engine, "load_drafter_state", None)
+    if state is None or load is None:
+        return
+    try:
+        load(state)
+        log.info("the draft head resumed from %s (%d trainings)", ckpt, int(state["trainings"]))
+    except ValueError as e:
+        log.warning("the checkpoint's draft head was not restored: %s", e)

@@ -43,7 +43,9 @@ from tandem.runtime import builders
 from tandem.runtime.allocator import note_allocator
 from tandem.runtime.checkpoint import (
     check_resume_target,
+    drafter_state,
     load_run_state,
+    restore_drafter,
     restore_latest,
     rng_state,
     save_run_checkpoint,
@@ -174,6 +176,7 @@ class Run:
                 if state.get("trainer_ahead"):  # one-step-off: these weights were never sent; a new version
                     self.version += 1
                 self._push_weights(self.version)
+            restore_drafter(ckpt, self.engine)
             log.info("resumed %s at step %d (weight version %d)", ckpt, self.step, self.version)
         save_config(cfg, self.run_dir / "config.yaml")
         self.tracker = Tracker(cfg.tracking, self.run_dir, run_name=cfg.run.name, resume_step=resume_step,
@@ -541,7 +544,8 @@ class Run:
     def save(self, state: dict[str, Any] | None = None) -> Path:
         """Checkpoint the run at its current step (the end of the last completed one)."""
         path = save_run_checkpoint(self.run_dir, self.step, self.trainer, state or self._state(), self.cfg,
-                                   keep=self.cfg.run.keep_checkpoints, bucket_bytes=self.cfg.sync.bucket_bytes)
+                                   keep=self.cfg.run.keep_checkpoints, bucket_bytes=self.cfg.sync.bucket_bytes,
+                                   drafter_state=drafter_state(self.engine))
         self._saved_step = self.step
         self._save_due = False
         return path
@@ -554,7 +558,8 @@ class Run:
             log.warning("stopped before the first step completed: nothing to save")
             return None
         path = save_run_checkpoint(self.run_dir, self.step, self.trainer, self._completed, self.cfg,
-                                   keep=self.cfg.run.keep_checkpoints, bucket_bytes=self.cfg.sync.bucket_bytes)
+                                   keep=self.cfg.run.keep_checkpoints, bucket_bytes=self.cfg.sync.bucket_bytes,
+                                   drafter_state=drafter_state(self.engine))
         self._saved_step = self.step
         return path
 

@@ -301,6 +301,38 @@ def test_the_draft_head_distils_the_targets_distribution_from_a_replayed_window(
         assert engine.health()["spec_head_trainings"] == 2
 
 
+def test_the_draft_head_state_restores_into_a_new_engine():
+    """What a run checkpoint keeps of the head (`drafter_state`): a new engine that loads it drafts at once
+    and, on the same seeded requests, generates exactly what the engine that trained the head does (same
+    weights, same drafts, same acceptance draws); a state that does not fit is refused by name."""
+    ps = prompts([5, 9, 7, 12, 6, 10], seed=35)
+    spec = SpeculativeConfig(drafter="draft_head", k=3, max_batch=None, draft_vocab=256)
+    with make_engine(max_num_seqs=8, speculative=spec) as trained, \
+            make_engine(max_num_seqs=8, speculative=spec) as fresh:
+        assert trained.drafter_state() == {}  # untrained: nothing to keep
+        weights = [(n, p.detach().clone()) for n, p in trained.model.named_parameters()]
+        trained.generate(_requests(ps, temperature=1.0, max_new_tokens=20))
+        trained.update_weights(weights, version=1)  # one training
+        state = trained.drafter_state()
+        assert int(state["trainings"]) == 1 and state["out"].shape == (256, trained.model.args.hidden_size)
+        fresh.load_drafter_state(state)
+        assert fresh.health()["spec_head_trainings"] == 1
+        a = trained.generate(_requests(ps, temperature=1.0, max_new_tokens=20))
+        b = fresh.generate(_requests(ps, temperature=1.0, max_new_tokens=20))
+        assert fresh.health()["spec_passes"] > 0 and fresh.health()["spec_drafted"] > 0  # drafts at once
+        assert [r.completions[0].token_ids for r in a] == [r.completions[0].token_ids for r in b]
+        # the same drafts accepted (the trained engine's first round drafted nothing: untrained)
+        assert fresh.health()["spec_accepted"] == trained.health()["spec_accepted"] > 0
+        bad = dict(state, index=state["index"][:-1])  # another vocabulary
+        with pytest.raises(ValueError, match=f"vocabulary of {trained.model.args.vocab_size - 1};"):
+            fresh.load_drafter_state(bad)
+        with pytest.raises(ValueError, match=r"lacks \['trainings'\]"):
+            fresh.load_drafter_state({k: v for k, v in state.items() if k != "trainings"})
+        assert fresh.health()["spec_head_trainings"] == 1  # refused: the head it had is kept
+    with make_engine(speculative=SpeculativeConfig(drafter="ngram")) as ngram, pytest.raises(ValueError, match="no draft head"):
+        ngram.load_drafter_state(state)
+
+
 def test_bad_speculative_settings_are_refused():
     with pytest.raises(ValueError, match="speculative k=0 must be an integer in"):
         SpeculativeConfig(k=0)

@@ -3,7 +3,10 @@ step logs the acceptance figures."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+import torch
 
 from tandem.config import load_config
 from tandem.runtime.config import RunConfig
@@ -44,6 +47,26 @@ def test_grpo_with_an_online_draft_head_logs_its_training(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert rows[0]["rollout/spec_passes"] == 0  # nothing to draft with before the first training
     assert rows[-1]["rollout/spec_passes"] > 0 and rows[-1]["rollout/spec_head_loss"] > 0
+
+
+def test_a_resumed_run_keeps_its_draft_head(tmp_path):
+    """The checkpoint keeps the trained head (``draft_head.safetensors``, in the manifest); the resumed run's
+    engine gets it back and drafts from its first step, where a fresh engine drafts nothing."""
+    head = ["reward.terms=[{name: 'tests.runtime.rewards:even_tokens'}]",
+            "rollout.speculative={drafter: draft_head, k: 3, max_batch: null, draft_vocab: 256}"]
+    with Run(load_config(RunConfig, RECIPE, ["run.steps=2", "run.save_every=2", *head]), tmp_path) as run:
+        run.train(close=False)
+        trained = run.engine.drafter_state()
+    ckpt = tmp_path / "checkpoints" / "step_2"
+    assert "draft_head.safetensors" in json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert int(trained["trainings"]) == 2
+    with Run(load_config(RunConfig, RECIPE, ["run.steps=3", *head]), tmp_path, resume=True) as run:
+        restored = run.engine.drafter_state()
+        assert all(torch.equal(restored[k], trained[k]) for k in trained)
+        run.train(close=False)
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert rows[0]["rollout/spec_passes"] == 0 and rows[2]["rollout/spec_passes"] > 0  # drafts at once
 
 
 def test_rollout_speculative_reaches_every_engine_in_its_own_terms():

@@ -204,6 +204,35 @@ class HeadDrafter:
         self.stats["spec_head_train_s"] += time.perf_counter() - start
         return dict(self.stats)
 
+    # -- persistence (a run's checkpoints keep the head: a resumed run drafts at once) --------------------
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The trained head (its weights, draft vocabulary and index) and the count of its trainings; {}
+        before its first training. The window of rows is not kept: it refills with the next rollouts."""
+        if self.head is None:
+            return {}
+        state = {k: v.detach().clone() for k, v in self.head.state_dict().items()}
+        state["trainings"] = torch.tensor(self.stats["spec_head_trainings"], dtype=torch.long)
+        return state
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore `state_dict`'s head; a head of another model (hidden size, vocabulary) is refused by name,
+        the drafter untouched."""
+        hidden, vocab = self.model.args.hidden_size, self.model.args.vocab_size
+        need = {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias", "out", "token_ids", "index", "trainings"}
+        if missing := sorted(need - set(state)):
+            raise ValueError(f"draft head state lacks {missing}")
+        token_ids, index = state["token_ids"], state["index"]
+        if state["fc2.weight"].shape != (hidden, hidden) or index.shape != (vocab,) or \
+                state["out"].shape != (len(token_ids), hidden):
+            raise ValueError(
+                f"draft head state is for hidden size {tuple(state['fc2.weight'].shape)[0]} and a vocabulary of "
+                f"{index.shape[0]}; this engine's model has hidden size {hidden} and vocabulary {vocab}")
+        head = DraftHead(hidden, state["out"], token_ids, vocab)
+        head.load_state_dict({k: v for k, v in state.items() if k != "trainings"})
+        self.head = head
+        self.stats["spec_head_trainings"] = int(state["trainings"])
+
     def _new_head(self, tokens: torch.Tensor) -> DraftHead:
         """A head over the ``draft_vocab`` most frequent tokens of the first buffer (ties by id)."""
         vocab = self.model.args.vocab_size

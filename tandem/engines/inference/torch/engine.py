@@ -254,6 +254,24 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
         train = getattr(self._drafter, "train", None)
         return train() if train is not None else {}
 
+    def drafter_state(self) -> dict[str, torch.Tensor]:
+        """The draft head's state (``speculative.drafter: draft_head``, once trained) for a checkpoint; {} for
+        other drafters or an untrained head. Taken between two steps."""
+        state = getattr(self._drafter, "state_dict", None)
+        if state is None:
+            return {}
+        with self._between_steps():
+            return state()
+
+    def load_drafter_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore `drafter_state` (a resumed run): the head drafts from the next step. A state for another
+        model, or an engine without a draft head, is refused with a ValueError naming why."""
+        load = getattr(self._drafter, "load_state_dict", None)
+        if load is None:
+            raise ValueError("load_drafter_state: this engine has no draft head (speculative.drafter: draft_head)")
+        with self._between_steps():
+            load(state)
+
     def pause_generation(self) -> None:
         """Hold every request where it is (SGLang's in-place pause): no step runs until
         `continue_generation`; updates, aborts and health still work; sequences keep their cache."""
