@@ -50,8 +50,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NativeKernelError", "decode_attention", "kernel_cache_dir", "load", "native_enabled", "pack_b64", "rms_norm", "rotary",
-           "sample", "swiglu"]
+__all__ = ["NativeKernelError", "cpu_has_native_bf16", "decode_attention", "kernel_cache_dir", "load", "native_enabled",
+           "pack_b64", "rms_norm", "rotary", "sample", "swiglu"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,13 @@ def _cpu_flags() -> str:
     except OSError:
         pass
     return os.uname().machine
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether this CPU has bf16 dot-product instructions (x86 ``avx512_bf16`` or ``amx_bf16``, Arm ``bf16``):
+    there bf16 matrix products run ~2.5x fp32's (measured on an AVX512-BF16 EPYC); elsewhere they are emulated."""
+    flags = set(_cpu_flags().split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 def _build(name: str) -> Path:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -63,6 +64,8 @@ from tandem.models.registry import DTYPES
 from tandem.ops.batch_invariant import batch_invariant_mode
 
 __all__ = ["FSDPEngine"]
+
+log = logging.getLogger(__name__)
 
 Role = Literal["policy", "ref", "critic"]
 
@@ -160,6 +163,7 @@ class FSDPEngine:
                 "fallback (packing=False or an unsupported architecture)"
             )
         self._info = self._describe(loaded)
+        self._hint_bf16(config)
         if config.qat is not None:  # before sharding: QATLinear replaces plain nn.Linear modules
             apply_quantization(loaded, config.qat)
         if config.lora is not None:
@@ -178,6 +182,15 @@ class FSDPEngine:
         self.critic = self._build_critic(critic_lr_lambda)
 
     # -- building -------------------------------------------------------------------------------------
+
+    def _hint_bf16(self, config: FSDPConfig) -> None:
+        """On a CPU with bf16 instructions, say once that fp32 training leaves ~1.4-1.9x on the table."""
+        from tandem.ops.native import cpu_has_native_bf16
+
+        if (self.ctx.device.type == "cpu" and self.ctx.is_main and config.parallel.param_dtype is None
+                and config.model.dtype == "float32" and cpu_has_native_bf16()):
+            log.info("this CPU has bf16 instructions: trainer.fsdp.parallel.param_dtype=bfloat16 trains ~1.4-1.9x "
+                     "faster here, fp32 master weights kept, at the bf16 log-prob bound (docs/training.md)")
 
     def _describe(self, loaded: LoadedLM) -> EngineInfo:
         """The policy forward as `EngineInfo` reports it (constant for the engine's life)."""
