@@ -11,7 +11,8 @@ from tandem.ops.linear import CAN_PACK, copy_and_repack, pack_into, pack_weight,
 
 needs_native = pytest.mark.skipif(not CAN_PACK or native.load("pack") is None,
                                   reason="no oneDNN packing or no C compiler: oneDNN's reorder is used")
-SHAPES = [(64, 32), (128, 576), (192, 96), (1536, 576), (64, 512)]
+SHAPES = [(64, 32), (128, 576), (192, 96), (1536, 576), (64, 512), (128, 2560), (64, 3008)]  # the last two: rows of
+# several 32-tile work items (3008: the last one partial)
 
 
 @needs_native
