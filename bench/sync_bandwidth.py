@@ -4,10 +4,12 @@
 
 The trainer side holds SmolLM2-135M-Instruct's fp32 weights (538 MB) as separate tensors; each
 transport moves them into a real `TorchEngine`. The headline in-process figure (``inprocess``) is the
-default engine (``pack_weights=True``: every update re-packs the linear weights into oneDNN's blocked
-layout, into the packed tensors in place where tandem/ops/csrc/pack.c applies); ``inprocess_reorder`` is the
-same engine re-packing through oneDNN's reorder into new tensors (the path before in-place packing, for
-comparison); ``inprocess_unpacked`` is the transport alone (``pack_weights=False``). Each baseline moves
+default engine (``pack_weights=True``: every update packs the linear weights into oneDNN's blocked
+layout, into the packed tensors in place where tandem/ops/csrc/pack.c applies; the decoder layers' linear
+weights keep no plain copy, ``keep_plain_weights=False``); ``inprocess_both`` is the same engine keeping the
+plain copies too (both written in one pass); ``inprocess_reorder`` keeps both and re-packs through oneDNN's
+reorder into new tensors (the path before in-place packing, for comparison); ``inprocess_unpacked`` is the
+transport alone (``pack_weights=False``). ``engine_weights_mb_*``: the weights each engine holds. Each baseline moves
 the same number of bytes in the same run:
 
 * in-process and Ray   vs  memcpy: ``dst.copy_(src)`` of one 538 MB buffer (bytes written per second)
@@ -50,13 +52,20 @@ MODEL = "smollm2-135m-instruct"
 Step = tuple[Callable[[int], None], Callable[[int], None]]  # (prepare(round), timed(round))
 
 
-def _engine(pack: bool = False):
+ENGINE_MB: dict[str, float] = {}  # arm -> MB of weights the engine holds (plain + packed copies)
+
+
+def _engine(pack: bool = False, keep_plain: bool = False, arm: str | None = None):
     from tandem.engines.inference.torch import TorchEngine
     from tandem.engines.inference.torch.config import TorchEngineConfig
     from tandem.models import ModelConfig
 
-    return TorchEngine(TorchEngineConfig(model=ModelConfig(name=MODEL), max_num_seqs=8, max_model_len=64,
-                                         pack_weights=pack))
+    engine = TorchEngine(TorchEngineConfig(model=ModelConfig(name=MODEL), max_num_seqs=8, max_model_len=64,
+                                           pack_weights=pack, keep_plain_weights=keep_plain))
+    if arm is not None:
+        health = engine.health()
+        ENGINE_MB[arm] = (health["plain_weight_bytes"] + health["packed_weight_bytes"]) / 1e6
+    return engine
 
 
 def trainer_weights() -> dict[str, torch.Tensor]:
@@ -183,13 +192,14 @@ def write(directory: Path, nbytes: int) -> Step:
 ENGINES: dict[bool, object] = {}  # pack_weights -> the in-process target engine (for decode_step_ms)
 
 
-def inprocess(weights, bucket_bytes: int, pack: bool, reorder: bool = False) -> Step:
+def inprocess(weights, bucket_bytes: int, pack: bool, reorder: bool = False, keep_plain: bool = False,
+              arm: str | None = None) -> Step:
     from unittest import mock
 
     from tandem.sync import InProcessSync
 
-    engine = _engine(pack)
-    if not reorder:
+    engine = _engine(pack, keep_plain, arm)
+    if not reorder and not keep_plain:
         ENGINES[pack] = engine
     sync = InProcessSync(engine)
 
@@ -313,8 +323,10 @@ def main() -> None:
     root = Path(tmp.name)
     builders: dict[str, Callable[[], Step | None]] = {
         "memcpy": lambda: memcpy(nbytes),
-        "inprocess": lambda: inprocess(weights, bucket, pack=True),  # the default engine
-        "inprocess_reorder": lambda: inprocess(weights, bucket, pack=True, reorder=True),
+        "inprocess": lambda: inprocess(weights, bucket, pack=True, arm="inprocess"),  # the default engine
+        # the default engine keeping the plain copy of its packed weights too (keep_plain_weights: true)
+        "inprocess_both": lambda: inprocess(weights, bucket, pack=True, keep_plain=True, arm="inprocess_both"),
+        "inprocess_reorder": lambda: inprocess(weights, bucket, pack=True, reorder=True, keep_plain=True),
         "inprocess_unpacked": lambda: inprocess(weights, bucket, pack=False),
         "write": lambda: write(root, nbytes),
         "disk": lambda: disk(weights, bucket, root / "sync"),
@@ -327,7 +339,8 @@ def main() -> None:
         "gloo": lambda: gloo(weights, bucket),
         "ray": lambda: None if args.skip_ray else ray_store(weights, bucket),
     }
-    groups = [["memcpy", "inprocess", "inprocess_reorder", "inprocess_unpacked", "write", "disk", "disk_read"],
+    groups = [["memcpy", "inprocess", "inprocess_both", "inprocess_reorder", "inprocess_unpacked", "write", "disk",
+               "disk_read"],
               ["memcpy_with_peers", "loopback", "gloo_raw", "gloo", "ray"]]
     baselines = {"memcpy", "memcpy_with_peers", "loopback", "write", "gloo_raw"}
     wanted = set(builders) if args.only is None else set(args.only) | baselines
@@ -351,6 +364,7 @@ def main() -> None:
         "gloo_vs_gloo_raw": ("gloo", "gloo_raw"),
         "disk_vs_write": ("disk", "write"),
         "ray_vs_memcpy": ("ray", "memcpy_with_peers"),
+        "inprocess_both_vs_memcpy": ("inprocess_both", "memcpy"),
         "inprocess_reorder_vs_memcpy": ("inprocess_reorder", "memcpy"),
         "inprocess_unpacked_vs_memcpy": ("inprocess_unpacked", "memcpy"),
         "gloo_vs_loopback": ("gloo", "loopback"),
@@ -371,6 +385,7 @@ def main() -> None:
         if "repack_s" in result and plain_ms > packed_ms:
             result["repack_paid_back_in_decode_steps"] = 1e3 * result["repack_s"] / (plain_ms - packed_ms)
         print(f"  decode step of 8 sequences: {packed_ms:.1f} ms packed, {plain_ms:.1f} ms unpacked")
+    result |= {f"engine_weights_mb_{arm}": mb for arm, mb in ENGINE_MB.items()}
     result |= {"model_mb": nbytes / 1e6, "rounds": args.rounds, "load_average": os.getloadavg()[0]}
     print("RESULT " + json.dumps({k: round(v, 3) for k, v in result.items()}))
 

@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from tandem.ops.linear import PackedWeights, fast_linear, uses_onednn
+from tandem.ops.linear import PackedOnlyWeight, PackedWeights, fast_linear, uses_onednn
 
 __all__ = [
     "KEY_TILE",
@@ -108,7 +108,8 @@ def invariant_linear(
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    mp = max(m, 2) if uses_onednn(x2, weight) else padded_rows(m)
+    onednn = uses_onednn(x2, weight) or type(weight) is PackedOnlyWeight
+    mp = max(m, 2) if onednn else padded_rows(m)
     if mp != m:
         x2 = F.pad(x2, (0, 0, 0, mp - m))
     y = fast_linear(x2, weight, bias, packed=packed)

@@ -23,6 +23,9 @@ oneDNN's own reorder allocates a new packed tensor and runs at a quarter of memc
 process has checked (once per shape and dtype) that oneDNN's layout is the one ``csrc/pack.c`` writes,
 `repack`, `pack_into` and `copy_and_repack` write the new values into the existing packed tensor instead
 (same bytes, near memcpy's rate; `copy_and_repack` also updates the plain weight in the same pass).
+An engine that needs no plain copy drops it (`drop_plain`): the weight becomes a `PackedOnlyWeight`, which
+keeps its identity, shape and dtype, runs through `fast_linear` from its packed copy, and refuses every other
+use of its values; `restore_plain` unpacks it again (exactly).
 
 oneDNN's float32 result rows are independent of the row count from 2 rows on (1 row takes another
 path with plain weights; packed weights give the same bits at 1 row too), and of the thread count;
@@ -41,8 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CAN_PACK", "PackedWeights", "copy_and_repack", "fast_linear", "fast_linear_mode", "fast_linear_scope",
-           "install_fast_linears", "linear", "ScopedLinear", "pack_into", "pack_weight", "pack_weights", "repack", "uses_onednn"]
+__all__ = ["CAN_PACK", "PackedOnlyWeight", "PackedWeights", "copy_and_repack", "drop_plain", "fast_linear",
+           "fast_linear_mode", "fast_linear_scope", "install_fast_linears", "linear", "ScopedLinear", "pack_into",
+           "pack_weight", "pack_weights", "packs_in_place", "repack", "restore_plain", "uses_onednn"]
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +108,14 @@ def fast_linear(
 ) -> torch.Tensor:
     """``F.linear(x [..., K], weight [N, K], bias [N])`` through oneDNN when possible -> ``[..., N]``.
 
-    ``packed`` maps ``id(weight)`` to a packed copy (`pack_weights`), used when grad is not needed.
+    ``packed`` maps ``id(weight)`` to a packed copy (`pack_weights`), used when grad is not needed. For a
+    `PackedOnlyWeight` (`drop_plain`) only the packed product exists: an operand it cannot take is an error.
     """
+    if type(weight) is PackedOnlyWeight:
+        if not packed or id(weight) not in packed:
+            raise RuntimeError(f"a packed-only weight {tuple(weight.shape)} has no packed copy in this product's "
+                               f"packed weights: its values exist nowhere else")
+        return _packed_only(x, packed[id(weight)], bias)
     if not uses_onednn(x, weight):
         return F.linear(x, weight, bias)
     if torch.is_autocast_enabled("cpu"):
@@ -122,6 +132,67 @@ def fast_linear(
         return _OneDNNLinear.apply(x, weight.contiguous(), bias)
     packed_weight = packed.get(id(weight)) if packed else None
     return _onednn(x, packed_weight if packed_weight is not None else weight.contiguous(), bias)
+
+
+def _packed_only(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    if (x.device.type != "cpu" or x.dtype != packed_weight.dtype or (bias is not None and bias.dtype != x.dtype)
+            or x.shape[-1] != packed_weight.shape[-1] or (torch.is_grad_enabled() and x.requires_grad)):
+        raise RuntimeError(
+            f"a packed-only weight {tuple(packed_weight.shape)} {packed_weight.dtype} (its plain copy dropped) "
+            f"takes CPU {packed_weight.dtype} inputs of width {packed_weight.shape[-1]} without grad; got "
+            f"{x.dtype} {tuple(x.shape)} on {x.device}, requires_grad={x.requires_grad}: keep the plain "
+            f"weights (inference.torch.keep_plain_weights: true) for this use")
+    return _onednn(x.contiguous(), packed_weight, bias)
+
+
+_T = torch.Tensor
+_METADATA = frozenset({_T.shape.__get__, _T.dtype.__get__, _T.device.__get__, _T.is_meta.__get__, _T.ndim.__get__,
+                       _T.requires_grad.__get__, _T.layout.__get__, _T.dim, _T.size, _T.numel, _T.element_size,
+                       _T.is_contiguous, _T.is_floating_point})
+
+
+class PackedOnlyWeight(torch.nn.Parameter):
+    """A linear weight whose plain values were dropped (`drop_plain`): its oneDNN-packed copy holds them.
+    Shape, dtype and the like still answer (its storage is on the meta device, which holds no values); every
+    other torch operation on it raises, naming the operation: a meta tensor alone would let ``F.linear``
+    return uninitialised memory. `fast_linear` runs it from the packed copy; `restore_plain` brings it back."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise RuntimeError(
+            f"{getattr(func, '__name__', func)}() on a packed-only linear weight: its plain values were dropped "
+            f"to save memory (the engine's packed copy holds them); read the engine's weights with "
+            f"named_weights(), or keep them (inference.torch.keep_plain_weights: true)")
+
+    def __repr__(self) -> str:
+        return f"PackedOnlyWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def packs_in_place(weight: torch.Tensor, batch_hint: int = 32) -> bool:
+    """Whether a sync can write ``weight``'s packed copy in place (csrc/pack.c builds and gives oneDNN's
+    layout for its shape and dtype); otherwise each update re-packs it with oneDNN's reorder into new memory."""
+    if not CAN_PACK or weight.dim() != 2 or weight.dtype not in _ONEDNN_DTYPES:
+        return False
+    from tandem.ops import native
+
+    lib = native.load("pack")
+    return lib is not None and _in_place_ok(lib, tuple(weight.shape), weight.dtype, batch_hint)
+
+
+def drop_plain(weight: torch.nn.Parameter) -> None:
+    """Make ``weight`` (a packed linear weight) a `PackedOnlyWeight`, freeing its memory; it keeps its
+    identity (``id``, the key of its packed copy), shape and dtype (`torch.utils.swap_tensors`)."""
+    torch.utils.swap_tensors(weight, PackedOnlyWeight(
+        torch.empty(weight.shape, dtype=weight.dtype, device="meta"), requires_grad=False))
+
+
+def restore_plain(weight: torch.nn.Parameter, packed_weight: torch.Tensor) -> None:
+    """Give a packed-only ``weight`` its plain values back from its packed copy (exact: the packed layout is
+    a permutation of the plain one)."""
+    torch.utils.swap_tensors(weight, torch.nn.Parameter(packed_weight.to_dense(), requires_grad=False))
 
 
 def pack_weights(module: torch.nn.Module, batch_hint: int = 32, *,

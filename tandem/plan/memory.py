@@ -19,8 +19,9 @@ Assumptions (docs/plan.md has the derivations and the CPU calibration):
   vocab-parallel and not chunked: response tokens of the micro-batch x vocab / TP x 3 fp32 buffers.
 * Rollout engines (vLLM / SGLang): weights split by TP (experts by EP), a fixed overhead (CUDA graphs,
   activations, communication buffers) and the KV cache in what `mem_fraction` of the GPU leaves.
-* The embedded engine: a full copy of the weights in the model dtype, plus oneDNN-packed copies on a CPU
-  (`pack_weights`), plus its preallocated KV cache.
+* The embedded engine: a full copy of the weights in the model dtype (on a CPU: oneDNN-packed copies of the
+  linear weights instead, the embedding and vocabulary projection plain too; `pack_weights`,
+  `keep_plain_weights`), plus its preallocated KV cache.
 """
 
 from __future__ import annotations
@@ -223,7 +224,11 @@ def inference_memory(arch: Arch, dev: Device, wl: Workload, inf: InferenceLayout
         step = slots * arch.vocab * 4 * 2 + slots * arch.activation_width() * b  # logits + one layer's activations
         items = {"weights": weights, "kv_cache": kv, "activations": step}
         if dev.is_cpu:
-            items["packed_weights"] = (arch.total_params() - (0 if arch.tied else arch.vocab * arch.hidden)) * b
+            packed = (arch.total_params() - (0 if arch.tied else arch.vocab * arch.hidden)) * b
+            items["packed_weights"] = packed
+            # the decoder layers' packed weights keep no plain copy (inference.torch.keep_plain_weights: false);
+            # the vocabulary projection (and the embedding) stay plain
+            items["weights"] = weights - (packed - arch.vocab * arch.hidden * b)
         else:
             items["overhead"] = GPU_ASLEEP_RESIDUAL
         return items

@@ -29,7 +29,7 @@ def step_and_sync(cfg, *, sharded: bool) -> dict:
         build_sender(SyncConfig(quantize=cfg), engine=inference).send(train.named_parameters_for_sync(1 << 16), 1)
         second = rollout(inference, seed=1)
         out |= {"rollout1": second.rollout_log_probs, "train1": train.forward_logprobs(second).log_probs,
-                "masters": master_weights(train), "engine": {k: v.clone() for k, v in inference.model.state_dict().items()}}
+                "masters": master_weights(train), "engine": {k: v.clone() for k, v in inference.named_weights().items()}}
         return out
     finally:
         inference.close()

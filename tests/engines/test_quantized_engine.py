@@ -48,13 +48,13 @@ def _new_weights(seed: int) -> dict[str, torch.Tensor]:
 
 
 def _state(inference) -> dict[str, torch.Tensor]:
-    return {n: t.clone() for n, t in inference.model.state_dict().items()}
+    return {n: t.clone() for n, t in inference.named_weights().items()}
 
 
 def test_engine_quantizes_the_model_files_on_load():
     files = _files()
     inference = engine(FP8, deterministic=False)
-    held = inference.model.state_dict()
+    held = inference.named_weights()
     assert sum(map(_is_target, held)) == 14
     for name, w in files.items():
         assert torch.equal(held[name], fake_quantize_weight(w, FP8) if _is_target(name) else w), name
@@ -76,7 +76,7 @@ def test_every_form_of_an_update_lands_on_the_same_grid(cfg):
     for form, update in forms.items():
         inference = engine(cfg, deterministic=False)
         update(inference, 3)
-        held = inference.model.state_dict()
+        held = inference.named_weights()
         assert inference.weight_version == 3
         assert all(torch.equal(held[n], want[n]) for n in want), form
 
@@ -92,16 +92,16 @@ def test_a_weight_the_sync_layer_dequantized_is_not_quantized_twice():
     assert not torch.equal(twice, once[name])  # a second pass would leave the trainer's grid
     inference = engine(ASYM, deterministic=False)
     inference.update_weights(once.items(), 1)
-    assert torch.equal(inference.model.state_dict()[name], once[name])
+    assert torch.equal(inference.named_weights()[name], once[name])
     inference.update_weights([(name, once[name].clone())], 2)  # a copy carries no mark: a master weight
-    assert torch.equal(inference.model.state_dict()[name], twice)
+    assert torch.equal(inference.named_weights()[name], twice)
 
 
 def _rejected(inference, named, match: str) -> None:
-    before, version = {n: checksum(t) for n, t in inference.model.state_dict().items()}, inference.weight_version
+    before, version = {n: checksum(t) for n, t in inference.named_weights().items()}, inference.weight_version
     with pytest.raises(ValueError, match=match):
         inference.update_weights(named, 7)
-    assert {n: checksum(t) for n, t in inference.model.state_dict().items()} == before
+    assert {n: checksum(t) for n, t in inference.named_weights().items()} == before
     assert inference.weight_version == version
 
 

@@ -62,7 +62,7 @@ def test_deterministic_pair_is_bit_exact_after_a_step_and_a_sync(fmt, send):
             assert metrics["sync/bytes"] < 0.7 * metrics["sync/bytes_unquantized"]
             assert metrics["sync/verified_tensors"] > 0
 
-        masters, held = master_weights(train), inference.model.state_dict()
+        masters, held = master_weights(train), inference.named_weights()
         targets = _targets(train)
         assert len(targets) == 14  # q/k/v/o + gate/up/down in 2 layers
         for name, w in masters.items():
@@ -143,7 +143,7 @@ def test_grpo_loop_with_the_quantized_pair_keeps_the_exact_contract(tmp_path, se
         assert r["sync/version"] == r["step"] + 1
         if send == "quantize_on_send":
             assert r["sync/bytes"] < 0.7 * r["sync/bytes_unquantized"]  # embeddings and head stay fp32
-    masters, held = master_weights(run.trainer), run.engine.model.state_dict()
+    masters, held = master_weights(run.trainer), run.engine.named_weights()
     cfg = run.trainer.config.qat
     for name in _targets(run.trainer):
         assert torch.equal(held[name], fake_quantize_weight(masters[name], cfg)), name

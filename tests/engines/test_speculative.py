@@ -159,7 +159,7 @@ def test_greedy_output_is_unchanged_by_speculation_and_rejected_tokens_leave_no_
         results = engine.generate(_requests(ps, **sampling))
         stats = engine.health()
         pairs = [(p, r.completions[0].token_ids) for p, r in zip(ps, results, strict=True)]
-        expected = teacher_forced(engine.model, pairs, invariant=deterministic)
+        expected = teacher_forced(engine, pairs, invariant=deterministic)
     assert [r.completions[0].token_ids for r in results] == [r.completions[0].token_ids for r in reference]
     assert 0.3 < stats["spec_acceptance_rate"] < 0.95 and stats["spec_tokens_per_pass"] > 1.5, stats
     assert stats["steps"] < 24 * 7 / 3  # fewer target passes than plain decoding needs
@@ -183,7 +183,7 @@ def test_the_exact_contract_holds_with_sampled_speculation():
         results = engine.generate(_requests(ps, temperature=0.5, max_new_tokens=20))
         accepted = engine.health()["spec_accepted"]
         pairs = [(p, r.completions[0].token_ids) for p, r in zip(ps, results, strict=True)]
-        expected = teacher_forced(engine.model, pairs, temperature=0.5, invariant=True)
+        expected = teacher_forced(engine, pairs, temperature=0.5, invariant=True)
     assert accepted > 0
     for r, e in zip(results, expected, strict=True):
         assert torch.equal(torch.tensor(r.completions[0].log_probs), e)
@@ -240,7 +240,7 @@ def test_moe_routed_experts_with_speculation_match_the_teacher_forced_router():
         results = engine.generate(_requests(ps, temperature=0.0, max_new_tokens=12, return_routed_experts=True))
         assert engine.health()["spec_accepted"] > 0
         pairs = [(p, r.completions[0].token_ids) for p, r in zip(ps, results, strict=True)]
-        _, routes = teacher_forced(engine.model, pairs, routing=True)
+        _, routes = teacher_forced(engine, pairs, routing=True)
     for (p, r), res, expected in zip(pairs, results, routes, strict=True):
         got = res.completions[0].routed_experts
         assert got.shape[0] == len(p) + len(r) - 1
@@ -254,7 +254,7 @@ def test_the_draft_head_learns_online_and_its_drafts_keep_the_exact_contract():
     ps = prompts([5, 9, 7, 12, 6, 10, 8, 11], seed=31)
     spec = SpeculativeConfig(drafter="draft_head", k=3, max_batch=None, draft_vocab=256, head_epochs=4)
     with make_engine(deterministic=True, max_num_seqs=8, speculative=spec) as engine:
-        weights = [(n, p.detach().clone()) for n, p in engine.model.named_parameters()]
+        weights = [(n, p.detach().clone()) for n, p in engine.named_weights().items()]
         engine.generate(_requests(ps, temperature=1.0, max_new_tokens=24))
         assert engine.health()["spec_passes"] == 0  # untrained: no drafts
         losses, accepts = [], []
@@ -265,7 +265,7 @@ def test_the_draft_head_learns_online_and_its_drafts_keep_the_exact_contract():
             results = engine.generate(_requests(ps, temperature=1.0, max_new_tokens=24))
         health = engine.health()
         pairs = [(p, r.completions[0].token_ids) for p, r in zip(ps, results, strict=True)]
-        expected = teacher_forced(engine.model, pairs, invariant=True)
+        expected = teacher_forced(engine, pairs, invariant=True)
     assert health["spec_head_trainings"] == 5 and health["spec_passes"] > 0 and health["spec_drafted"] > 0
     assert losses[-1] < losses[0], losses
     assert accepts[-1] > accepts[0], accepts  # sum min(p, q) of its first draft token, on its training rows
@@ -282,7 +282,7 @@ def test_the_draft_head_distils_the_targets_distribution_from_a_replayed_window(
     spec = SpeculativeConfig(drafter="draft_head", k=3, max_batch=None, draft_vocab=256, head_buffer_tokens=300)
     with make_engine(max_num_seqs=8, speculative=spec) as engine:
         drafter = engine._drafter
-        weights = [(n, p.detach().clone()) for n, p in engine.model.named_parameters()]
+        weights = [(n, p.detach().clone()) for n, p in engine.named_weights().items()]
         engine.generate(_requests(ps, temperature=1.0, max_new_tokens=24))
         engine.update_weights(weights, version=1)
         engine.generate(_requests(ps, temperature=1.0, max_new_tokens=24))  # with drafts, verified
@@ -310,7 +310,7 @@ def test_the_draft_head_state_restores_into_a_new_engine():
     with make_engine(max_num_seqs=8, speculative=spec) as trained, \
             make_engine(max_num_seqs=8, speculative=spec) as fresh:
         assert trained.drafter_state() == {}  # untrained: nothing to keep
-        weights = [(n, p.detach().clone()) for n, p in trained.model.named_parameters()]
+        weights = [(n, p.clone()) for n, p in trained.named_weights().items()]
         trained.generate(_requests(ps, temperature=1.0, max_new_tokens=20))
         trained.update_weights(weights, version=1)  # one training
         state = trained.drafter_state()

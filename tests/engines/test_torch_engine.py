@@ -10,7 +10,7 @@ import torch
 
 from tandem.core.protocols import FinishReason, GenerationRequest, InferenceEngine, SamplingParams
 from tandem.models import load_model
-from tests.engines.torch_helpers import STOP, make_engine, prompts, requests, teacher_forced
+from tests.engines.torch_helpers import STOP, make_engine, plain_model, prompts, requests, teacher_forced
 
 TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
 
@@ -50,7 +50,7 @@ def test_logprobs_match_teacher_forced_forward(name, temperature):
     with make_engine(name, max_num_seqs=3, prefill_chunk=16) as engine:
         results = engine.generate(requests(ps, temperature=temperature, max_new_tokens=20, seed=5))
         pairs = [(p, r.completions[0].token_ids) for p, r in zip(ps, results, strict=True)]
-        ref = teacher_forced(engine.model, pairs, temperature=temperature)
+        ref = teacher_forced(engine, pairs, temperature=temperature)
     for res, expected in zip(results, ref, strict=True):
         got = torch.tensor(res.completions[0].log_probs)
         torch.testing.assert_close(got, expected, rtol=0, atol=2e-5)
@@ -64,8 +64,8 @@ def test_logprob_convention_ignores_top_k_and_top_p():
             requests(ps, temperature=1.3, top_k=5, top_p=0.8, max_new_tokens=16, seed=1)
         )
         pairs = [(p, r.completions[0].token_ids) for p, r in zip(ps, results, strict=True)]
-        ref = teacher_forced(engine.model, pairs, temperature=1.3)
-        hidden_logits = _next_token_logits(engine.model, pairs)
+        ref = teacher_forced(engine, pairs, temperature=1.3)
+        hidden_logits = _next_token_logits(plain_model(engine), pairs)
     for res, expected, logits in zip(results, ref, hidden_logits, strict=True):
         torch.testing.assert_close(torch.tensor(res.completions[0].log_probs), expected, rtol=0, atol=2e-5)
         # every sampled token is among the 5 most likely ones
@@ -123,7 +123,7 @@ def test_n_samples_share_one_prefill():
         before = engine.health()["prompt_tokens_computed"]
         [res] = engine.generate(requests([prompt], temperature=1.0, n=4, max_new_tokens=12, seed=9))
         computed = engine.health()["prompt_tokens_computed"] - before
-        ref = teacher_forced(engine.model, [(prompt, c.token_ids) for c in res.completions])
+        ref = teacher_forced(engine, [(prompt, c.token_ids) for c in res.completions])
     # the leader computes the prompt once; each follower computes only the last prompt token
     assert computed == len(prompt) + 3
     assert len({tuple(c.token_ids) for c in res.completions}) == 4  # independent samples
@@ -165,12 +165,12 @@ def test_a_weight_update_ends_prefix_sharing_with_requests_before_it():
         first = engine._submit(_single(prompt, 1, **sampling))  # in flight across the update
         while engine.health()["prompt_tokens_computed"] < len(prompt):
             engine._drive(blocking=True)
-        named = [(n, p.detach().clone() * 1.01) for n, p in engine.model.named_parameters()]
+        named = [(n, p.detach().clone() * 1.01) for n, p in engine.named_weights().items()]
         engine.update_weights(named, version=1)
         before = engine.health()["prompt_tokens_computed"]
         [late] = engine.generate([_single(prompt, 2, **sampling)])
         assert engine.health()["prompt_tokens_computed"] - before == len(prompt)
-        ref = teacher_forced(engine.model, [(prompt, late.completions[0].token_ids)])[0]
+        ref = teacher_forced(engine, [(prompt, late.completions[0].token_ids)])[0]
         first.result(timeout=60)
     torch.testing.assert_close(torch.tensor(late.completions[0].log_probs), ref, rtol=0, atol=2e-5)
 
@@ -181,7 +181,7 @@ def test_moe_routed_experts_with_a_prefill_shared_across_requests():
         results = engine.generate([_single(prompt, s, temperature=1.0, max_new_tokens=8, return_routed_experts=True)
                                    for s in (5, 6)])
         pairs = [(prompt, r.completions[0].token_ids) for r in results]
-        _, routes = teacher_forced(engine.model, pairs, routing=True)
+        _, routes = teacher_forced(engine, pairs, routing=True)
     for r, expected in zip(results, routes, strict=True):
         np.testing.assert_array_equal(np.sort(r.completions[0].routed_experts, -1), np.sort(expected, -1))
 
@@ -235,7 +235,7 @@ def test_more_samples_than_slots():
     with make_engine(max_num_seqs=2, max_model_len=64) as engine:
         [greedy] = engine.generate(requests([prompt], temperature=0, n=5, max_new_tokens=12))
         [sampled] = engine.generate(requests([prompt], temperature=1.0, n=5, max_new_tokens=12, seed=4))
-        ref = teacher_forced(engine.model, [(prompt, c.token_ids) for c in sampled.completions])
+        ref = teacher_forced(engine, [(prompt, c.token_ids) for c in sampled.completions])
     assert len({tuple(c.token_ids) for c in greedy.completions}) == 1
     assert all(len(c.token_ids) == 12 for c in greedy.completions + sampled.completions)
     for c, expected in zip(sampled.completions, ref, strict=True):
@@ -265,7 +265,7 @@ def test_moe_routed_experts_match_teacher_forced_router(deterministic):
             requests(ps, temperature=1.0, n=2, max_new_tokens=10, seed=2, return_routed_experts=True)
         )
         pairs = [(p, c.token_ids) for p, r in zip(ps, results, strict=True) for c in r.completions]
-        _, routes = teacher_forced(engine.model, pairs, routing=True, invariant=deterministic)
+        _, routes = teacher_forced(engine, pairs, routing=True, invariant=deterministic)
         layers, topk = len(engine.model.args.moe_layers), engine.model.args.num_experts_per_tok
     completions = [c for r in results for c in r.completions]
     for (p, r), c, expected in zip(pairs, completions, routes, strict=True):

@@ -12,6 +12,7 @@ import torch
 from tandem.core.protocols import FinishReason, GenerationRequest, SamplingParams
 from tandem.engines.inference.torch import EngineAsleepError, TorchEngineConfig
 from tandem.models import ModelConfig
+from tandem.ops.linear import PackedOnlyWeight
 from tests.engines.torch_helpers import make_engine, prompts, requests, wait_until
 
 GREEDY = dict(temperature=0, max_new_tokens=16)
@@ -25,16 +26,17 @@ def test_update_weights_changes_outputs_and_version():
     ps = prompts([8, 15], seed=20)
     with make_engine() as engine:
         before = engine.generate(requests(ps, **GREEDY))
-        original = {k: v.clone() for k, v in engine.model.hf_state_dict().items()}
+        original = {k: v.clone() for k, v in engine.named_weights().items()}
         weight = engine.model.model.layers[0].mlp.down_proj.weight
-        address = weight.data_ptr()
+        assert type(weight) is PackedOnlyWeight  # the default: its packed copy is the weight
+        stored = engine._packed[id(weight)]
         g = torch.Generator().manual_seed(0)
         noisy = [
             (k, v + 0.2 * torch.randn(v.shape, generator=g)) for k, v in original.items() if "layers.0." in k
         ]
         engine.update_weights(noisy, version=1)
         after = engine.generate(requests(ps, **GREEDY))
-        assert engine.weight_version == 1 and weight.data_ptr() == address  # copied in place
+        assert engine.weight_version == 1 and engine._packed[id(weight)] is stored  # packed in place
         engine.update_weights(original.items(), version=2)
         restored = engine.generate(requests(ps, **GREEDY))
     assert _tokens(after) != _tokens(before)
@@ -57,12 +59,12 @@ def test_update_weights_changes_outputs_and_version():
 )
 def test_bad_weight_update_is_rejected_and_leaves_weights_untouched(bad, message):
     with make_engine() as engine:
-        snapshot = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        snapshot = {k: v.clone() for k, v in engine.named_weights().items()}
         good_first = [("model.norm.weight", torch.full((64,), 3.0))]  # valid, but must not be applied
         with pytest.raises(ValueError, match=message):
             engine.update_weights(good_first + bad, version=7)
         assert engine.weight_version == 0
-        for k, v in engine.model.state_dict().items():
+        for k, v in engine.named_weights().items():
             assert torch.equal(v, snapshot[k]), k
 
 
@@ -73,7 +75,7 @@ def test_weight_update_during_generation_is_recorded_per_token():
         thread = threading.Thread(target=lambda: result.update(r=engine.generate([request])[0]))
         thread.start()
         wait_until(lambda: engine.health()["generated_tokens"] >= 20)
-        same = [(k, v.clone()) for k, v in engine.model.hf_state_dict().items()]
+        same = [(k, v.clone()) for k, v in engine.named_weights().items()]
         engine.update_weights(same, version=5)
         thread.join()
     c = result["r"].completions[0]

@@ -35,7 +35,7 @@ def test_smollm2_sampled_logprobs_match_teacher_forced_forward():
     with make_engine(MODEL, max_num_seqs=3, max_model_len=512, prefill_chunk=40) as engine:
         results = engine.generate(requests(ps, temperature=0.8, n=2, max_new_tokens=40, seed=3))
         pairs = [(p, c.token_ids) for p, r in zip(ps, results, strict=True) for c in r.completions]
-        expected = teacher_forced(engine.model, pairs, temperature=0.8)
+        expected = teacher_forced(engine, pairs, temperature=0.8)
     got = [torch.tensor(c.log_probs) for r in results for c in r.completions]
     for g, e in zip(got, expected, strict=True):
         torch.testing.assert_close(g, e, rtol=0, atol=1e-4)

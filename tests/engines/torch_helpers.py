@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -11,6 +12,7 @@ from tandem.engines.inference.torch import TorchEngine, TorchEngineConfig
 from tandem.models import ModelConfig
 from tandem.models.attention import MoERouting, VarlenAttention
 from tandem.ops import InvariantVarlenAttention, batch_invariant_mode
+from tandem.ops.linear import PackedOnlyWeight
 
 STOP = 2  # <|im_end|> in every registry model
 
@@ -52,12 +54,29 @@ def requests(prompt_list, **sampling) -> list[GenerationRequest]:
     return [GenerationRequest(prompt_token_ids=p, sampling=SamplingParams(**sampling)) for p in prompt_list]
 
 
+def plain_model(engine: TorchEngine):
+    """The engine's model with plain weights, for a reference forward outside the engine: the model itself, or,
+    where the engine dropped the plain copies of its packed weights (the default), a copy of it loaded from
+    `named_weights` (the values its packed copies hold, exactly)."""
+    model = engine.model
+    dropped = {n: p for n, p in model.named_parameters() if type(p) is PackedOnlyWeight}
+    if not dropped:
+        return model
+    weights = engine.named_weights()
+    # deepcopy with the dropped weights' plain values in its memo: everything else (buffers' dtypes included)
+    # is copied as it is
+    return copy.deepcopy(model, {id(p): torch.nn.Parameter(weights[n], requires_grad=False) for n, p in dropped.items()})
+
+
 def teacher_forced(model, pairs, *, temperature: float = 1.0, invariant: bool = False, routing: bool = False):
     """Log-probs of each response under one packed forward of ``prompt + response`` rows.
 
-    ``pairs`` is a list of ``(prompt, response)`` token lists. Returns a list of ``[R]`` float32 tensors
-    (and, with ``routing``, the router's own top-k ``[P + R - 1, layers, topk]`` per row).
+    ``model``: a model, or a `TorchEngine` (its `plain_model`). ``pairs`` is a list of ``(prompt, response)``
+    token lists. Returns a list of ``[R]`` float32 tensors (and, with ``routing``, the router's own top-k
+    ``[P + R - 1, layers, topk]`` per row).
     """
+    if isinstance(model, TorchEngine):
+        model = plain_model(model)
     rows = [torch.tensor(p + r) for p, r in pairs]
     lengths = [len(r) for r in rows]
     flat = torch.cat(rows)

@@ -103,7 +103,7 @@ def test_two_grpo_steps_on_cpu(name, tmp_path):
     assert all(torch.equal(before[k], disk[k].to(before[k].dtype)) for k in before)
     run.train(close=False)
     after = _trainer_weights(run)
-    served = run.engine.named_weights() if engine == HF_ENGINE else run.engine.model.hf_state_dict()
+    served = run.engine.named_weights()
     run.close()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1]

@@ -141,8 +141,8 @@ def test_packed_training_forward_equals_engine_logprobs_exactly(name, dtype):
     with make_engine(name, dtype=dtype, deterministic=True, max_num_seqs=4, prefill_chunk=24) as engine:
         results = engine.generate(requests(ps, temperature=0.8, n=2, max_new_tokens=18, seed=7))
         pairs = [(p, c.token_ids) for p, r in zip(ps, results, strict=True) for c in r.completions]
-        trained = teacher_forced(engine.model, pairs[::-1], temperature=0.8, invariant=True)[::-1]
-        stock = teacher_forced(engine.model, pairs, temperature=0.8, invariant=False)
+        trained = teacher_forced(engine, pairs[::-1], temperature=0.8, invariant=True)[::-1]
+        stock = teacher_forced(engine, pairs, temperature=0.8, invariant=False)
     rollout = [torch.tensor(c.log_probs) for r in results for c in r.completions]
     for got, expected in zip(rollout, trained, strict=True):
         assert torch.equal(got, expected)
@@ -160,7 +160,7 @@ def test_smollm2_rollout_equals_training_forward_exactly():
         ) as engine:
             results = engine.generate(requests(ps, temperature=1.0, max_new_tokens=24, seed=1))
             pairs = [(p, r.completions[0].token_ids) for p, r in zip(ps, results, strict=True)]
-            trained = teacher_forced(engine.model, pairs, invariant=True)
+            trained = teacher_forced(engine, pairs, invariant=True)
         for r, expected in zip(results, trained, strict=True):
             assert torch.equal(torch.tensor(r.completions[0].log_probs), expected), dtype
 

@@ -95,7 +95,7 @@ def test_a_weight_sync_into_a_packing_engine_matches_an_engine_built_on_the_new_
     assert engine._packed, "the engine packs its weights"
     g = torch.Generator().manual_seed(0)
     new = [(k, (v.float() + 0.1 * torch.randn(v.shape, generator=g)).to(v.dtype))
-           for k, v in engine.model.hf_state_dict().items()]
+           for k, v in engine.named_weights().items()]
     before = dict(engine._packed)
     engine.update_weights(new, version=1)
     in_place = [k for k, v in before.items() if engine._packed[k] is v]

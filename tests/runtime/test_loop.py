@@ -27,7 +27,7 @@ def _weights(run: Run) -> dict[str, torch.Tensor]:
 
 
 def _engine_weights(run: Run) -> dict[str, torch.Tensor]:
-    return {n: t.clone() for n, t in run.engine.model.hf_state_dict().items()}
+    return {n: t.clone() for n, t in run.engine.named_weights().items()}
 
 
 @pytest.mark.parametrize("mode", ["sync", "one_step_off", "fully_async"])

@@ -35,7 +35,7 @@ def engine_digest(engine) -> dict[str, int]:
     """xxh3 of every engine weight, by HF name (the tied alias included)."""
     from tandem.sync import checksum
 
-    return {k: checksum(v) for k, v in engine.model.state_dict().items()}
+    return {k: checksum(v) for k, v in engine.named_weights().items()}
 
 
 def greedy(engine, n: int = 6) -> list[int]:

@@ -49,9 +49,17 @@ def _digest(named) -> dict[str, int]:
     return {n: checksum(t) for n, t in named}
 
 
+def _storage(engine) -> dict[str, int]:
+    """Where each engine weight's values live: its plain tensor, or a packed-only weight's packed copy."""
+    from tandem.ops.linear import PackedOnlyWeight, _buffer
+
+    return {n: _buffer(engine._packed[id(p)])[0] if type(p) is PackedOnlyWeight else p.data_ptr()
+            for n, p in engine._weights.items()}
+
+
 def test_inprocess_fsdp_to_torch_engine_is_bit_exact_in_place_and_verified():
     trainer, engine = _trained(), build_engine()
-    storage = {n: t.data_ptr() for n, t in engine.model.state_dict().items()}
+    storage = _storage(engine)
     before = greedy(engine)
     sync = InProcessSync(engine, verify=True)
     metrics = sync.send(trainer.named_parameters_for_sync(BUCKET), 1)
@@ -60,7 +68,7 @@ def test_inprocess_fsdp_to_torch_engine_is_bit_exact_in_place_and_verified():
     assert engine.weight_version == 1 and {n: got[n] for n in sent} == sent
     assert metrics["sync/verified_tensors"] == len(sent) and metrics["sync/bytes"] > 0
     # copied into the engine's existing storage: no new full-model allocation
-    assert {n: t.data_ptr() for n, t in engine.model.state_dict().items()} == storage
+    assert _storage(engine) == storage
     trainer.train_step(make_batch(seed=1), token_mean_pg)
     sync.send(trainer.named_parameters_for_sync(BUCKET), 2)
     assert engine.weight_version == 2 and engine_digest(engine) != got
@@ -150,7 +158,7 @@ def test_quantize_on_send_gives_the_engine_the_trainers_fake_quant_weights_bit_f
     weights = {n: t.clone() for b in trainer.named_parameters_for_sync(BUCKET) for n, t in b}
     sync = QuantizedSender(InProcessSync(engine, dequantize=FP8, verify=True), FP8)
     metrics = sync.send(trainer.named_parameters_for_sync(BUCKET), 1)
-    held = engine.model.state_dict()
+    held = engine.named_weights()
     targets = [n for n, w in weights.items() if is_target(n, w, FP8)]
     assert len(targets) == 14  # 7 projections x 2 layers
     for name, w in weights.items():
@@ -183,7 +191,7 @@ def test_quantized_disk_delta_loads_a_weight_with_its_scales(tmp_path):
     scales = (w1[name].shape[0] // 32) * (w1[name].shape[1] // 32) * 4
     assert metrics["sync/bytes"] == scales  # only <name>_scale_inv changed
     assert receiver.poll(applier, verify=True) == 2
-    held = engine.model.state_dict()[name]
+    held = engine.named_weights()[name]
     assert torch.equal(held, fake_quantize_weight(w2[name], FP8))
     assert torch.equal(held, 2 * fake_quantize_weight(w1[name], FP8))
 

@@ -47,9 +47,12 @@ class TorchEngineConfig:
     pointwise: Literal["auto", "native", "torch"] = "auto"
     num_threads: int | None = None  # torch intra-op threads (process-wide); None leaves torch's default
     seed: int = 0  # seeds the samplers of requests without their own seed
-    pack_weights: bool = (
-        True  # CPU: keep oneDNN-packed copies of the linear weights (faster, 2x weight memory)
-    )
+    pack_weights: bool = True  # CPU: run the linear layers on oneDNN-packed weight copies (faster)
+    # with pack_weights: keep the plain copy of each packed weight of the decoder layers too (2x their memory,
+    # and a sync writes both). False (default): the packed copy is the weight, a sync packs straight into it,
+    # and the plain one is rebuilt (exactly: packing is a permutation) only where something needs it (a
+    # merged LoRA fold, `named_weights`); the embedding and the vocabulary projection always stay plain.
+    keep_plain_weights: bool = False
     device: Literal["cpu", "cuda"] = "cpu"
     quantization: QuantConfig | None = None  # serve quantize->dequantize weights (tandem.kernels)
     # LoRA adapters served unmerged (engines/inference/torch/lora.py): the scaling alpha of the adapters

@@ -82,6 +82,7 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         device = torch.device(config.device)
+        self._owns_model = model is None  # a caller's model keeps its plain weights (`_drop_plain`)
         if model is None:
             if config.model is None:
                 raise ValueError("TorchEngineConfig.model is None: name the model (or pass model=)")
@@ -125,6 +126,7 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
         self._policy_adapter: str | None = None  # what requests without ``lora`` use (load_lora_adapter's)
         # oneDNN-packed weight copies; the numerics mode of every step reads this dict
         self._packed: dict[int, torch.Tensor] = {}
+        self._plain_needed: set[int] = set()  # packed weights whose plain copy stays (merged LoRA targets)
         self._pack()
         self._version = 0
         self._seed_rng = random.Random(config.seed)
@@ -156,10 +158,6 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
         """Sleeps, scores, returns routed experts for MoE models, takes partial updates, exposes its weights;
         serves LoRA adapters unmerged where ``lora_alpha`` is set (``sync.lora_mode: adapter``)."""
         return self._info
-
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        """The live weights by HF name (`WeightsView`; tied weights appear under both names)."""
-        return dict(self.model.state_dict())
 
     @property
     def weight_version(self) -> int:
@@ -239,7 +237,7 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
                 )
             self._sleeping = True
             self.cache.release()
-            self._packed.clear()
+            self._release_packed()  # a packed-only weight's packed copy is the weight: it stays
             self.adapters.merged = None
 
     def wake_up(self) -> None:
@@ -294,6 +292,7 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
             "kv_cache_tokens": self.cache.num_slots * self.cache.slot_len,
             "kv_cache_bytes": self.cache.nbytes if self.cache.allocated else 0,
             "packed_weight_bytes": sum(w.numel() * w.element_size() for w in self._packed.values()),
+            "plain_weight_bytes": sum(w.numel() * w.element_size() for w in self.model.parameters() if not w.is_meta),
             "lora_merged": self.adapters.merged.name if self.adapters.merged is not None else None,
             "deterministic": self.config.deterministic,
             "decode_attention": "native" if self._native_attention is not None else "torch",

@@ -307,7 +307,7 @@ class AdapterMethods:
         names = set(old.modules if old is not None else ()) | set(new.modules if new is not None else ())
         with torch.no_grad():
             for name in sorted(names):
-                w = served.linears[name].weight
+                w = self._plain(served.linears[name].weight)  # the base the fold starts from
                 source = w
                 if new is not None and name in new.modules:
                     a, b = new.modules[name]

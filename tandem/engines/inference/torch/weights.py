@@ -16,18 +16,32 @@ import torch
 
 from tandem.core.protocols import NamedTensors
 from tandem.kernels.state_dict import find_quantized
-from tandem.ops.linear import copy_and_repack, pack_weights, repack
+from tandem.ops.linear import (
+    PackedOnlyWeight,
+    copy_and_repack,
+    drop_plain,
+    pack_into,
+    pack_weights,
+    packs_in_place,
+    repack,
+    restore_plain,
+)
 
 __all__ = ["WeightMethods"]
 
 
+_PARALLEL_COPY_BYTES = 8 << 20
+
+
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
-    """Copy ``source`` into ``target`` in place. Same-dtype CPU tensors go through numpy: measured
-    under load, 272 per-tensor torch ``copy_`` calls (each an OpenMP region) ran at 2.6 GB/s against
-    8.6 GB/s for ``np.copyto``."""
+    """Copy ``source`` into ``target`` in place. Same-dtype CPU tensors under 8 MiB go through numpy:
+    measured under load, 272 per-tensor torch ``copy_`` calls (each an OpenMP region) ran at 2.6 GB/s
+    against 8.6 GB/s for ``np.copyto``; larger ones (an embedding) through torch's copy on all threads
+    (SmolLM2's 113 MB embedding: 9.0 ms against 13.9 ms for numpy's single-threaded copy)."""
     src = source.detach()
     if (target.device.type == src.device.type == "cpu" and target.dtype == src.dtype
-            and target.dtype != torch.bfloat16 and target.is_contiguous() and src.is_contiguous()):
+            and target.dtype != torch.bfloat16 and target.is_contiguous() and src.is_contiguous()
+            and target.numel() * target.element_size() < _PARALLEL_COPY_BYTES):
         np.copyto(target.numpy(), src.numpy())
     else:
         target.copy_(src)
@@ -70,7 +84,9 @@ class WeightMethods:
             for name, tensor in items:
                 target = self._weights[name]
                 source = tensor if self._quant is None else self._quant.served(name, tensor, target.dtype)
-                if not copy_and_repack(self._packed, target, source):  # one pass into both copies, in place
+                if type(target) is PackedOnlyWeight:  # the packed copy is the weight
+                    pack_into(self._packed, target, source.detach().to(target.dtype).contiguous())
+                elif not copy_and_repack(self._packed, target, source):  # one pass into both copies, in place
                     _copy_into(target, source)
                     stale.append(target)
             repack(self._packed, stale)
@@ -96,6 +112,41 @@ class WeightMethods:
         if self.config.pack_weights and self.cache.device.type == "cpu":
             merge = self._policy_to_merge()  # its weights are packed once, merged, by _fold_policy
             skip = frozenset(id(self.adapters.linears[m].weight) for m in merge.modules) if merge else frozenset()
-            self._packed.update(pack_weights(self.model, skip=skip))
+            self._packed.update(pack_weights(self.model, skip=skip))  # packed-only weights kept theirs
             self.adapters.merged = None
             self._fold_policy(packing=True)
+            self._drop_plain()
+
+    def _drop_plain(self) -> None:
+        """Free the plain copy of every packed linear weight of the decoder layers (`drop_plain`) unless
+        ``keep_plain_weights`` or the model was passed in; not those a merged LoRA adapter ever targeted (their plain copy is the base
+        the fold starts from), nor those a sync cannot pack in place (`packs_in_place`: shapes whose rows are
+        not a multiple of 64; each sync would allocate anew). So a packed-only weight's packed copy always
+        holds exactly the weight, and a sync writes it where it is."""
+        layers = getattr(getattr(self.model, "model", None), "layers", None)
+        if self.config.keep_plain_weights or not self._owns_model or layers is None:
+            return  # a model the caller passed in (``model=``) is theirs: its values stay readable
+        for module in layers.modules():
+            w = getattr(module, "weight", None)
+            if (isinstance(module, torch.nn.Linear) and w is not None and not w.is_meta and id(w) in self._packed
+                    and id(w) not in self._plain_needed and packs_in_place(w)):
+                drop_plain(w)
+
+    def _plain(self, weight: torch.Tensor) -> torch.Tensor:
+        """``weight`` with its values, kept from now on: a packed-only one gets its plain copy back (between
+        steps, while its packed copy still holds exactly the weight)."""
+        if weight.is_meta:
+            restore_plain(weight, self._packed[id(weight)])
+        self._plain_needed.add(id(weight))
+        return weight
+
+    def _release_packed(self) -> None:
+        """Sleep: drop the packed copies that a plain copy can rebuild (packed-only weights keep theirs)."""
+        packed_only = {id(w) for w in self._weights.values() if w.is_meta}
+        for key in [k for k in self._packed if k not in packed_only]:
+            del self._packed[key]
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The live weights by HF name (`WeightsView`; tied weights appear under both names); a packed-only
+        weight is unpacked into a new tensor (exact)."""
+        return {name: (self._packed[id(w)].to_dense() if w.is_meta else w.detach()) for name, w in self._weights.items()}
