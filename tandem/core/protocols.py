@@ -12,7 +12,7 @@ import enum
 import math
 import numbers
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -320,7 +320,7 @@ class LoRAEngine(Protocol):
 class WeightsView(Protocol):
     """An inference engine with ``info.exposes_weights``: its live weights by HF name (for ``sync.verify``)."""
 
-    def named_weights(self) -> dict[str, torch.Tensor]: ...
+    def named_weights(self) -> Mapping[str, torch.Tensor]: ...
 
 
 @dataclass(kw_only=True, slots=True)

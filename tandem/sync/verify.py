@@ -42,7 +42,7 @@ def engine_weights(engine: Any) -> Mapping[str, torch.Tensor]:
             "sync to it cannot be verified; set sync.verify: false"
         )
     view: WeightsView = engine
-    return dict(view.named_weights())
+    return view.named_weights()  # a mapping: an engine may produce a weight only when it is read
 
 
 def verify_applied(

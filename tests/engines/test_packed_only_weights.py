@@ -116,3 +116,25 @@ def test_a_model_passed_in_keeps_its_plain_weights():
         assert not _dropped(engine) and engine.health()["packed_weight_bytes"] > 0
         engine.generate(requests(prompts([5]), max_new_tokens=4))
     assert all(torch.equal(t, before[n]) for n, t in model.state_dict().items())  # still the caller's to read
+
+
+def test_named_weights_unpacks_only_what_is_read(monkeypatch):
+    """A read-only mapping: reading one packed-only weight unpacks that one (sync.verify reads a bucket's
+    names at a time), and every read gives the current values."""
+    from tandem.sync.verify import verify_applied
+
+    with make_engine() as engine:
+        name = "model.layers.0.mlp.up_proj.weight"
+        packed_type = type(engine._packed[id(engine._weights[name])])
+        unpacked = []
+        real = packed_type.to_dense
+        monkeypatch.setattr(packed_type, "to_dense", lambda self, *a, **k: unpacked.append(1) or real(self, *a, **k))
+        weights = engine.named_weights()
+        assert len(weights) == len(list(weights)) > 10 and not unpacked
+        with pytest.raises(TypeError):
+            weights[name] = torch.zeros(1)  # read-only
+        value = torch.randn(128, 64)
+        engine.update_weights([(name, value)], version=1)
+        report = verify_applied(engine, [(name, value)], [(name, value)])
+        assert report["mismatched"] == [] and len(unpacked) == 1
+        assert torch.equal(weights[name], value) and len(unpacked) == 2

@@ -11,6 +11,8 @@ engine holds ``model``, ``config``, ``cache``, ``adapters``, ``_weights``, ``_pa
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
+
 import numpy as np
 import torch
 
@@ -28,6 +30,23 @@ from tandem.ops.linear import (
 )
 
 __all__ = ["WeightMethods"]
+
+
+class _UnpackOnRead(Mapping):
+    """The engine's weights by name; a packed-only weight is unpacked from its packed copy at each read."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], packed: dict) -> None:
+        self._weights, self._packed = weights, packed
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        w = self._weights[name]
+        return self._packed[id(w)].to_dense() if w.is_meta else w.detach()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._weights)
+
+    def __len__(self) -> int:
+        return len(self._weights)
 
 
 _PARALLEL_COPY_BYTES = 8 << 20
@@ -146,7 +165,8 @@ class WeightMethods:
         for key in [k for k in self._packed if k not in packed_only]:
             del self._packed[key]
 
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        """The live weights by HF name (`WeightsView`; tied weights appear under both names); a packed-only
-        weight is unpacked into a new tensor (exact)."""
-        return {name: (self._packed[id(w)].to_dense() if w.is_meta else w.detach()) for name, w in self._weights.items()}
+    def named_weights(self) -> Mapping[str, torch.Tensor]:
+        """The live weights by HF name (`WeightsView`; tied weights appear under both names). A read-only
+        mapping: a packed-only weight is unpacked into a new tensor (exact) when it is read, so a caller
+        that reads a few names (``sync.verify``, one bucket at a time) does not unpack the whole model."""
+        return _UnpackOnRead(self._weights, self._packed)
