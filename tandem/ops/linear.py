@@ -25,7 +25,8 @@ process has checked (once per shape and dtype) that oneDNN's layout is the one `
 (same bytes, near memcpy's rate; `copy_and_repack` also updates the plain weight in the same pass).
 An engine that needs no plain copy drops it (`drop_plain`): the weight becomes a `PackedOnlyWeight`, which
 keeps its identity, shape and dtype, runs through `fast_linear` from its packed copy, and refuses every other
-use of its values; `restore_plain` unpacks it again (exactly).
+use of its values; `restore_plain` unpacks it again (exactly). `packed_like` allocates a packed tensor of a
+layout this process already has (an asleep engine that freed its weights gets them back at the next sync).
 
 oneDNN's float32 result rows are independent of the row count from 2 rows on (1 row takes another
 path with plain weights; packed weights give the same bits at 1 row too), and of the thread count;
@@ -46,7 +47,8 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["CAN_PACK", "PackedOnlyWeight", "PackedWeights", "copy_and_repack", "drop_plain", "fast_linear",
            "fast_linear_mode", "fast_linear_scope", "install_fast_linears", "linear", "ScopedLinear", "pack_into",
-           "pack_weight", "pack_weights", "packs_in_place", "repack", "restore_plain", "uses_onednn"]
+           "pack_weight", "pack_weights", "packed_like", "packs_in_place", "repack", "restore_plain",
+           "uses_onednn"]
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +270,14 @@ def _write_packed(current: torch.Tensor, src: torch.Tensor, plain: torch.Tensor 
 def _buffer(packed: torch.Tensor) -> tuple[int, int]:
     """Address and size of a oneDNN tensor's memory."""
     return int(torch.ops.mkldnn.data_ptr(packed)), int(torch.ops.mkldnn._nbytes(packed))
+
+
+def packed_like(template: torch.Tensor) -> torch.Tensor:
+    """A new oneDNN tensor in ``template``'s layout (a copy of its bytes, meant to be overwritten by
+    `pack_into`): new memory for a packed weight from the allocator at memcpy's rate, where oneDNN's reorder,
+    the only other way to make one, runs at a fraction of it."""
+    with torch.no_grad():
+        return template.clone()
 
 
 def _raw(packed: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,13 @@ class TorchEngineConfig:
     # and the plain one is rebuilt (exactly: packing is a permutation) only where something needs it (a
     # merged LoRA fold, `named_weights`); the embedding and the vocabulary projection always stay plain.
     keep_plain_weights: bool = False
+    # sleep() also drops those packed-only weights' packed copies (all but one per shape), so a colocated
+    # trainer's step has their memory (~400 MB for SmolLM2-135M in float32); the next update_weights must
+    # rewrite every one of them, and wake_up refuses until it has, naming them. For a colocated full-weight
+    # sync run that must fit in less memory: measured 340-430 MiB off the demo's peak but 1.03-1.11x slower
+    # steps on the 2-core VM (docs/benchmarks.md, "Weights freed while asleep"), so off by default. Like
+    # vLLM's sleep level 2.
+    sleep_frees_weights: bool = False
     device: Literal["cpu", "cuda"] = "cpu"
     quantization: QuantConfig | None = None  # serve quantize->dequantize weights (tandem.kernels)
     # LoRA adapters served unmerged (engines/inference/torch/lora.py): the scaling alpha of the adapters

@@ -127,6 +127,7 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
         # oneDNN-packed weight copies; the numerics mode of every step reads this dict
         self._packed: dict[int, torch.Tensor] = {}
         self._plain_needed: set[int] = set()  # packed weights whose plain copy stays (merged LoRA targets)
+        self._freed: dict[int, torch.Tensor] = {}  # packed-only weights sleep freed -> a packed tensor of their layout
         self._pack()
         self._version = 0
         self._seed_rng = random.Random(config.seed)
@@ -226,7 +227,8 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
         self._enqueue_abort(None)
 
     def sleep(self) -> None:
-        """Free the KV cache for a colocated trainer. Requests must be finished or aborted first."""
+        """Free the KV cache for a colocated trainer (with ``sleep_frees_weights``, the packed-only weights too,
+        which an update must rewrite before `wake_up`). Requests must be finished or aborted first."""
         with self._between_steps():
             self._absorb()
             with self._inbox_lock:
@@ -237,11 +239,16 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
                 )
             self._sleeping = True
             self.cache.release()
-            self._release_packed()  # a packed-only weight's packed copy is the weight: it stays
+            self._release_packed()  # a packed-only weight's packed copy is the weight: it stays, unless
+            if self.config.sleep_frees_weights:
+                self._free_weights()  # the next update is to rewrite it
             self.adapters.merged = None
 
     def wake_up(self) -> None:
+        """Allocate the KV cache and re-pack; refused (the engine stays asleep) while a weight that sleep freed
+        (``sleep_frees_weights``) has not been rewritten by `update_weights`."""
         with self._between_steps():
+            self._check_weights_held("wake_up()")
             self.cache.allocate()
             self._pack()
             self._sleeping = False
@@ -293,6 +300,7 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
             "kv_cache_bytes": self.cache.nbytes if self.cache.allocated else 0,
             "packed_weight_bytes": sum(w.numel() * w.element_size() for w in self._packed.values()),
             "plain_weight_bytes": sum(w.numel() * w.element_size() for w in self.model.parameters() if not w.is_meta),
+            "freed_weight_bytes": sum(t.numel() * t.element_size() for t in self._freed.values()),
             "lora_merged": self.adapters.merged.name if self.adapters.merged is not None else None,
             "deterministic": self.config.deterministic,
             "decode_attention": "native" if self._native_attention is not None else "torch",

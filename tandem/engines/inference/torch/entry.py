@@ -27,11 +27,17 @@ def fill(facts: RunFacts, config: Any):
 
 
 def refuse(facts: RunFacts, config: Any) -> dict[str, str]:
+    refused = {}
     q = facts.lora_base_quantization
     if q is not None and facts.adapter_sync and config.quantization != q:
-        return {"inference.torch.quantization": f"the trainer's LoRA base is quantized as {q.format}; the engine "
-                                                "must serve the same format (leave quantization unset to get it)"}
-    return {}
+        refused["inference.torch.quantization"] = (f"the trainer's LoRA base is quantized as {q.format}; the engine "
+                                                   "must serve the same format (leave quantization unset to get it)")
+    if config.sleep_frees_weights and (facts.adapter_sync or facts.delta_sync):
+        what = "adapter-only (sync.lora_mode: adapter)" if facts.adapter_sync else "delta (sync.delta: true)"
+        refused["inference.torch.sleep_frees_weights"] = (
+            f"this run's syncs are {what}: they do not rewrite every weight that sleep would free, and the "
+            "engine could not wake up; leave it false")
+    return refused
 
 
 ENTRY = EngineEntry(

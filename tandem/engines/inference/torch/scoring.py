@@ -42,6 +42,7 @@ class ScoringMethods:
         device = self.cache.device
         out: list[list[float]] = [[] for _ in items]
         with self._between_steps():
+            self._check_weights_held("score()")  # an asleep engine scores, unless sleep freed its weights
             numerics = (batch_invariant_mode(packed=self._packed) if self.config.deterministic
                         else fast_linear_mode(packed=self._packed))
             with torch.inference_mode(), numerics:

@@ -5,8 +5,14 @@ weight in place, between two steps; where a weight has a packed copy (oneDNN's b
 `tandem.ops.linear.pack_weights`), one pass of the native kernel writes the plain and the packed copy
 together (`copy_and_repack`), else the packed copy is rebuilt after the plain one is written. A mixin of
 `tandem.engines.inference.torch.engine.TorchEngine`, like `AdapterMethods` and `ScoringMethods`: the
-engine holds ``model``, ``config``, ``cache``, ``adapters``, ``_weights``, ``_packed``, ``_quant``,
+engine holds ``model``, ``config``, ``cache``, ``adapters``, ``_weights``, ``_packed``, ``_freed``, ``_quant``,
 ``_policy_adapter``, ``_version`` and ``_between_steps``.
+
+With ``sleep_frees_weights``, `sleep` drops the packed copy of every packed-only weight but one per shape
+and dtype, which stays as the layout template, and records each in ``_freed`` (weight id -> template); an
+update that writes one gets new memory in that layout (`packed_like`), packs into it and takes it off. Until
+every freed weight is rewritten, `wake_up`, ``score``, `named_weights` of it and a plain copy of it are refused
+(`EngineAsleepError`, naming the weights).
 """
 
 from __future__ import annotations
@@ -16,7 +22,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 import torch
 
-from tandem.core.protocols import NamedTensors
+from tandem.core.protocols import EngineAsleepError, NamedTensors
 from tandem.kernels.state_dict import find_quantized
 from tandem.ops.linear import (
     PackedOnlyWeight,
@@ -24,6 +30,7 @@ from tandem.ops.linear import (
     drop_plain,
     pack_into,
     pack_weights,
+    packed_like,
     packs_in_place,
     repack,
     restore_plain,
@@ -35,11 +42,14 @@ __all__ = ["WeightMethods"]
 class _UnpackOnRead(Mapping):
     """The engine's weights by name; a packed-only weight is unpacked from its packed copy at each read."""
 
-    def __init__(self, weights: dict[str, torch.Tensor], packed: dict) -> None:
-        self._weights, self._packed = weights, packed
+    def __init__(self, weights: dict[str, torch.Tensor], packed: dict, freed: Mapping[int, torch.Tensor]) -> None:
+        self._weights, self._packed, self._freed = weights, packed, freed
 
     def __getitem__(self, name: str) -> torch.Tensor:
         w = self._weights[name]
+        if id(w) in self._freed:
+            raise EngineAsleepError(f"{name}: its memory was freed while the engine sleeps (sleep_frees_weights) "
+                                    "and no update has rewritten it yet")
         return self._packed[id(w)].to_dense() if w.is_meta else w.detach()
 
     def __iter__(self) -> Iterator[str]:
@@ -104,7 +114,11 @@ class WeightMethods:
                 target = self._weights[name]
                 source = tensor if self._quant is None else self._quant.served(name, tensor, target.dtype)
                 if type(target) is PackedOnlyWeight:  # the packed copy is the weight
+                    template = self._freed.get(id(target))
+                    if template is not None:  # freed at sleep: new memory in its layout (what the trainer freed)
+                        self._packed[id(target)] = packed_like(template)
                     pack_into(self._packed, target, source.detach().to(target.dtype).contiguous())
+                    self._freed.pop(id(target), None)  # rewritten: whole again
                 elif not copy_and_repack(self._packed, target, source):  # one pass into both copies, in place
                     _copy_into(target, source)
                     stale.append(target)
@@ -154,6 +168,8 @@ class WeightMethods:
     def _plain(self, weight: torch.Tensor) -> torch.Tensor:
         """``weight`` with its values, kept from now on: a packed-only one gets its plain copy back (between
         steps, while its packed copy still holds exactly the weight)."""
+        if id(weight) in self._freed:
+            self._check_weights_held("restoring a plain weight")
         if weight.is_meta:
             restore_plain(weight, self._packed[id(weight)])
         self._plain_needed.add(id(weight))
@@ -165,8 +181,36 @@ class WeightMethods:
         for key in [k for k in self._packed if k not in packed_only]:
             del self._packed[key]
 
+    def _free_weights(self) -> None:
+        """Sleep with ``sleep_frees_weights``: drop the packed copy of every packed-only weight but the first
+        of each shape and dtype (kept whole, the layout the others get back), so the allocator hands their
+        memory to the trainer's step, and the sync after it takes the memory for them from what the step freed.
+        (Returning the pages to the system instead, ``madvise``, kept the allocation: the sync faulted fresh
+        pages in while the allocator still held the step's, and the process peaked nearly as high.)"""
+        templates: dict[tuple, torch.Tensor] = {}
+        for w in {id(w): w for w in self._weights.values()}.values():  # tied names once
+            if type(w) is not PackedOnlyWeight or id(w) in self._freed:
+                continue
+            key = (tuple(w.shape), w.dtype)
+            if key not in templates:
+                templates[key] = self._packed[id(w)]
+            else:
+                self._freed[id(w)] = templates[key]
+                del self._packed[id(w)]
+
+    def _check_weights_held(self, what: str) -> None:
+        """Refuse ``what`` while a weight that sleep freed has not been rewritten (names the first few)."""
+        if not self._freed:
+            return
+        names = sorted({n for n, w in self._weights.items() if id(w) in self._freed})
+        more = f" (+{len(names) - 3} more)" if len(names) > 3 else ""
+        raise EngineAsleepError(
+            f"{what} refused: {len(self._freed)} weight(s) freed at sleep (inference.torch.sleep_frees_weights) "
+            f"have not been rewritten since: {', '.join(names[:3])}{more}; send a full weight update first, or "
+            "set sleep_frees_weights: false to keep them while asleep")
+
     def named_weights(self) -> Mapping[str, torch.Tensor]:
         """The live weights by HF name (`WeightsView`; tied weights appear under both names). A read-only
         mapping: a packed-only weight is unpacked into a new tensor (exact) when it is read, so a caller
         that reads a few names (``sync.verify``, one bucket at a time) does not unpack the whole model."""
-        return _UnpackOnRead(self._weights, self._packed)
+        return _UnpackOnRead(self._weights, self._packed, self._freed)
