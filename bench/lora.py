@@ -14,6 +14,8 @@ and the reward of every step. Medians over repeats, with the spread (min-max).
     python bench/lora.py                  # 8 steps x 3 repeats (~25 min on 2 cores)
     python bench/lora.py --steps 3 --repeats 1
     python bench/lora.py --decode 64x32   # the engine alone: no adapter / merged adapter / unmerged (~3 min)
+    python bench/lora.py --sleep-frees --steps 4   # full fine-tuning, the engine freeing its weights at
+                                                   # sleep (sleep_frees_weights) vs keeping them (~14 min)
 
 Ends with ``RESULT {json}``; keys and aims (issue 20): ``lora_sync_bytes_ratio`` <= 0.02 (of full),
 ``lora_peak_memory_ratio`` <= 0.6, ``qlora_peak_memory_ratio`` <= 0.45, ``lora_step_time_ratio`` <= 1.0.
@@ -75,6 +77,7 @@ def child(name: str, steps: int, out: Path, overrides: list[str]) -> None:
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB -> MiB
     print(json.dumps({
         "name": name, "allocator": allocator, "peak_rss_mib": peak, "build_s": build_s, **state,
+        "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt,
         "step_s": [r["time/step_s"] for r in rows], "sync_bytes": [r.get("sync/bytes", 0.0) for r in rows],
         "sync_s": [r.get("time/sync_s", 0.0) for r in rows], "reward": [r.get("reward/mean") for r in rows],
         "rollout_s": [r.get("time/generate_s", 0.0) for r in rows], "train_s": [r.get("time/train_s", 0.0) for r in rows],
@@ -151,6 +154,46 @@ def _spread(xs: list[float]) -> str:
     return f"{min(xs):.3g}-{max(xs):.3g}"
 
 
+def sleep_frees(steps: int, repeats: int, overrides: list[str]) -> int:
+    """Full fine-tuning with the colocated engine freeing its packed-only weights at sleep
+    (``inference.torch.sleep_frees_weights: true``) vs keeping them (the default), alternating; same recipe,
+    prompts and seeds. Prints medians and ``RESULT {json}``."""
+    arms = {"freed": "inference.torch.sleep_frees_weights=true", "kept": "inference.torch.sleep_frees_weights=false"}
+    runs: dict[str, list[dict]] = {a: [] for a in arms}
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-sleep-") as tmp:
+        for rep in range(repeats):
+            for arm in (list(arms) if rep % 2 == 0 else list(arms)[::-1]):
+                r = _run_child("full", steps, Path(tmp) / f"{arm}-{rep}", [*overrides, arms[arm]])
+                runs[arm].append(r)
+                print(f"repeat {rep + 1}/{repeats} {arm:>5}: peak {r['peak_rss_mib']:.0f} MiB, "
+                      f"{_med(r['step_s'][1:]):.2f} s/step (rollout {_med(r['rollout_s'][1:]):.2f}, train "
+                      f"{_med(r['train_s'][1:]):.2f}), sync {_med(r['sync_s']):.3f} s", file=sys.stderr, flush=True)
+    summary = {}
+    for arm, rs in runs.items():
+        peaks, steps_s, syncs = ([f(r) for r in rs] for f in (lambda r: r["peak_rss_mib"], lambda r: _med(r["step_s"][1:]),
+                                                             lambda r: _med(r["sync_s"])))
+        rollout, train = ([_med(r[k][1:]) for r in rs] for k in ("rollout_s", "train_s"))
+        summary[arm] = {"peak_rss_mib": _med(peaks), "peak_rss_spread": _spread(peaks), "s_per_step": _med(steps_s),
+                        "s_per_step_spread": _spread(steps_s), "sync_s": _med(syncs), "sync_s_spread": _spread(syncs),
+                        "rollout_s": _med(rollout), "train_s": _med(train), "rewards": [r["reward"] for r in rs]}
+        print(f"{arm:>5}: peak RSS {_med(peaks):.0f} MiB ({_spread(peaks)}), {_med(steps_s):.2f} s/step "
+              f"({_spread(steps_s)}): rollout {_med(rollout):.2f} s ({_spread(rollout)}), train {_med(train):.2f} s "
+              f"({_spread(train)}), sync {_med(syncs):.3f} s ({_spread(syncs)})")
+    freed, kept = summary["freed"], summary["kept"]
+    same = all(a["reward"] == b["reward"] for a, b in zip(runs["freed"], runs["kept"], strict=True))
+    print(f"rewards of every step identical in both arms: {same}")
+    result = {"steps": steps, "repeats": repeats, "peak_rss_freed_mib": round(freed["peak_rss_mib"]),
+              "peak_rss_kept_mib": round(kept["peak_rss_mib"]),
+              "peak_saved_mib": round(kept["peak_rss_mib"] - freed["peak_rss_mib"]),
+              "step_time_ratio": round(freed["s_per_step"] / kept["s_per_step"], 3),
+              "rollout_s_freed": round(freed["rollout_s"], 2), "rollout_s_kept": round(kept["rollout_s"], 2),
+              "train_s_freed": round(freed["train_s"], 2), "train_s_kept": round(kept["train_s"], 2),
+              "sync_s_freed": round(freed["sync_s"], 3), "sync_s_kept": round(kept["sync_s"], 3),
+              "same_rewards": same, "overrides": overrides}
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=8)
@@ -159,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="a recipe override applied to every run (e.g. trainer.fsdp.parallel.activation_checkpointing=true)")
     ap.add_argument("--decode", metavar="SEQSxNEW",
                     help="instead: the engine alone, no adapter vs merged vs unmerged (e.g. 64x32)")
+    ap.add_argument("--sleep-frees", action="store_true",
+                    help="instead: full fine-tuning, the engine freeing its weights at sleep vs keeping them")
     ap.add_argument("--child", choices=sorted(RECIPES), help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -169,6 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         if not (seqs.isdigit() and new_tokens.isdigit() and int(seqs) > 0 and int(new_tokens) > 0):
             ap.error(f"--decode {args.decode!r}: SEQSxNEW, two positive integers (e.g. 64x32)")
         return decode(int(seqs), int(new_tokens), max(args.repeats, 1))
+    if args.sleep_frees:
+        return sleep_frees(args.steps, max(args.repeats, 1), args.set)
     if args.child:
         child(args.child, args.steps, Path(args.out), args.set)
         return 0
