@@ -170,15 +170,16 @@ def sleep_frees(steps: int, repeats: int, overrides: list[str]) -> int:
                       f"{_med(r['train_s'][1:]):.2f}), sync {_med(r['sync_s']):.3f} s", file=sys.stderr, flush=True)
     summary = {}
     for arm, rs in runs.items():
-        peaks, steps_s, syncs = ([f(r) for r in rs] for f in (lambda r: r["peak_rss_mib"], lambda r: _med(r["step_s"][1:]),
-                                                             lambda r: _med(r["sync_s"])))
-        rollout, train = ([_med(r[k][1:]) for r in rs] for k in ("rollout_s", "train_s"))
+        peaks, faults = [r["peak_rss_mib"] for r in rs], [r["minor_faults"] for r in rs]
+        steps_s, rollout, train = ([_med(r[k][1:]) for r in rs] for k in ("step_s", "rollout_s", "train_s"))
+        syncs = [_med(r["sync_s"]) for r in rs]
         summary[arm] = {"peak_rss_mib": _med(peaks), "peak_rss_spread": _spread(peaks), "s_per_step": _med(steps_s),
                         "s_per_step_spread": _spread(steps_s), "sync_s": _med(syncs), "sync_s_spread": _spread(syncs),
                         "rollout_s": _med(rollout), "train_s": _med(train), "rewards": [r["reward"] for r in rs]}
         print(f"{arm:>5}: peak RSS {_med(peaks):.0f} MiB ({_spread(peaks)}), {_med(steps_s):.2f} s/step "
               f"({_spread(steps_s)}): rollout {_med(rollout):.2f} s ({_spread(rollout)}), train {_med(train):.2f} s "
-              f"({_spread(train)}), sync {_med(syncs):.3f} s ({_spread(syncs)})")
+              f"({_spread(train)}), sync {_med(syncs):.3f} s ({_spread(syncs)}), minor page faults "
+              f"{_med(faults) / 1e6:.2f} M")
     freed, kept = summary["freed"], summary["kept"]
     same = all(a["reward"] == b["reward"] for a, b in zip(runs["freed"], runs["kept"], strict=True))
     print(f"rewards of every step identical in both arms: {same}")

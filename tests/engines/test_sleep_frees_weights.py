@@ -28,6 +28,10 @@ def _packed_only(engine) -> dict[str, torch.Tensor]:
     return {n: w for n, w in engine._weights.items() if type(w) is PackedOnlyWeight}
 
 
+def _freed_names(engine) -> list[str]:
+    return sorted(n for n, w in engine._weights.items() if id(w) in engine._freed)
+
+
 def _new_weights(engine, seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [(n, (t.float() + 0.05 * torch.randn(t.shape, generator=g)).to(t.dtype))
@@ -50,9 +54,6 @@ def test_a_sync_into_freed_weights_gives_the_bits_of_an_engine_that_kept_them(dt
             assert _outputs(freeing, ps) == _outputs(keeping, ps)
             a, b = freeing.named_weights(), keeping.named_weights()
             assert all(torch.equal(a[n], b[n]) for n in b)
-
-def _freed_names(engine) -> list[str]:
-    return sorted(n for n, w in engine._weights.items() if id(w) in engine._freed)
 
 
 def test_sleep_drops_every_packed_copy_but_one_per_shape_and_the_sync_brings_them_back():
