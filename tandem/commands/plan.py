@@ -13,8 +13,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="hub id of a known architecture (Qwen/Qwen3-8B), a registry name, an HF "
                                             "folder or a config.json (omit with --check --recipe)")
     hw = p.add_argument_group("hardware")
-    hw.add_argument("--gpu-type", "--gpu", dest="gpu_type", default="H100",
-                    help="H100, H200, B200, A100, A100-40GB, H20, L40S, RTX4090, MI300X or cpu (default H100)")
+    hw.add_argument("--gpu-type", "--gpu", dest="gpu_type",
+                    help="H100, H200, B200, A100, A100-40GB, H20, L40S, RTX4090, MI300X or cpu (default H100; with "
+                         "--recipe, cpu when the recipe runs on the CPU)")
     hw.add_argument("--gpus", type=int, help="devices in all (cpu: trainer processes); default nodes x per node")
     hw.add_argument("--nodes", type=int, default=1)
     hw.add_argument("--gpus-per-node", type=int, help="default: the GPU type's (8; cpu 1)")
@@ -68,6 +69,7 @@ def _inputs(args):
         from tandem.plan.check_recipe import apply_recipe
 
         apply_recipe(args)
+    args.gpu_type = args.gpu_type or "H100"
     if not args.model:
         raise ValueError("name a model (or --check --recipe FILE)")
     for flag in ("prompt_len", "response_len", "prompts", "samples", "nodes"):

@@ -4,7 +4,20 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["apply_recipe"]
+__all__ = ["apply_recipe", "runs_on_cpu"]
+
+
+def runs_on_cpu(cfg) -> bool:
+    """Whether the recipe's run uses no GPU: its trainer set to ``device: cpu``, or its rollouts on the embedded
+    engine on the CPU (that engine's default) while the trainer follows the machine (``auto``). A GPU trainer
+    beside a CPU engine, or a vLLM/SGLang engine, is a GPU run."""
+    tr, inf = cfg.trainer.config, cfg.inference.config
+    trainer_device = getattr(tr, "device", "auto") if tr is not None else "auto"
+    if trainer_device == "cpu":
+        return True
+    if trainer_device == "cuda" or cfg.inference.entry.name != "torch":
+        return False
+    return getattr(inf, "device", "cpu") == "cpu"
 
 
 def apply_recipe(args: argparse.Namespace) -> None:
@@ -47,5 +60,7 @@ def apply_recipe(args: argparse.Namespace) -> None:
             args.gpus = args.gpus or ranks
     else:
         args.gpus = args.gpus or 1
+    if args.gpu_type is None and runs_on_cpu(cfg):
+        args.gpu_type = "cpu"
     if cfg.runtime.placement == "separate":
         args.placement = "colocated"  # an engine process beside the trainer on the same device: same budget

@@ -207,3 +207,20 @@ def test_cli_check_reads_a_recipe(capsys):
     recipe = Path(__file__).parents[2] / "recipes" / "smollm2-135m" / "addition-grpo.yaml"
     assert main(["plan", "--check", "--recipe", str(recipe), "--gpu-type", "cpu", "--gpu-memory-gib", "23"]) == 0
     assert "FITS" in capsys.readouterr().out
+
+
+def test_cli_check_plans_a_cpu_recipe_for_the_cpu(capsys):
+    """Without ``--gpu-type``, a recipe whose run uses no GPU (the embedded engine on the CPU, the trainer
+    following the machine) is judged on the CPU, a vLLM recipe on the default GPU, and a flag still wins."""
+    from pathlib import Path
+
+    from tandem.cli import main
+
+    recipes = Path(__file__).parents[2] / "recipes"
+    for recipe, hardware in (("smollm2-135m/addition-grpo.yaml", "1 x cpu"), ("tiny/grpo-sync.yaml", "1 x cpu"),
+                             ("qwen3/qwen3-8b-grpo.yaml", "x H100"),
+                             ("smollm2-135m/addition-grpo.yaml --gpu-type A100", "1 x A100")):
+        name, *flags = recipe.split()
+        main(["plan", "--check", "--recipe", str(recipes / name), *flags])
+        line = next(s for s in capsys.readouterr().out.splitlines() if s.strip().startswith("hardware"))
+        assert hardware in line, (recipe, line)
