@@ -4,12 +4,14 @@ online from the rollouts the engine produces (``rollout.speculative.drafter: dra
 Eagle-style (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty"): the
 head reads the target's last hidden state ``h_t`` (after the final norm, what the vocabulary projection
 reads) and the embedding of the token ``x_{t+1}`` sampled from it, and predicts the next hidden state,
-``f_{t+1} = h_t + W_2 silu(W_1 [h_t; e(x_{t+1})])``; the draft token is the argmax of ``f_{t+1}`` projected on a
-draft vocabulary (the ``draft_vocab`` most frequent tokens of the rollouts, rows initialised from the
-target's output embedding: a full-vocabulary projection per draft token would cost a fifth of a decode
-step of SmolLM2). Further draft tokens feed ``f`` back in place of ``h``. Drafts are point masses (the
-argmax), so `speculative.speculative_sample` keeps the target's distribution exactly, whatever the head
-has learned.
+``f_{t+1} = h_t + W_2 silu(W_1 [h_t; e(x_{t+1})])``; the draft token is sampled, at the sequence's temperature,
+from ``q = softmax`` of ``f_{t+1}`` projected on a draft vocabulary (the ``draft_vocab`` most frequent tokens of
+the rollouts, rows initialised from the target's output embedding: a full-vocabulary projection per draft
+token would cost a fifth of a decode step of SmolLM2); greedy sequences draft its argmax. Further draft
+tokens feed ``f`` back in place of ``h``. ``q`` goes with the drafts (`speculative.DraftDist`), and
+`speculative.speculative_sample` accepts with ``min(1, p/q)`` and resamples from ``max(0, p - q)``, so the
+target's distribution is kept exactly, whatever the head has learned; a sampled draft is accepted with
+probability ``sum min(p, q)``, a chosen one only with ``p(argmax)``.
 
 Training: every sequence's hidden states, tokens and the log-normaliser of the target's logits at each
 row (``logsumexp``, taken by the engine from the logits it sampled from) are kept while it decodes;
