@@ -1,9 +1,11 @@
-"""``tandem eval TARGET [key=value ...] --recipe RECIPE``: evaluate a model or a checkpoint on eval sets.
+"""``tandem eval TARGET [key=value ...] [--recipe RECIPE]``: evaluate a model or a checkpoint on eval sets.
 
 TARGET is a run directory (its latest checkpoint), a run checkpoint (``runs/NAME/checkpoints/step_K``),
 a trainer checkpoint, an HF folder or a registry name (tandem/runtime/targets.py). A checkpoint is
 exported to a temporary HF folder first. The recipe gives the eval sets (``eval.sets``), the reward,
-the generate function and the inference engine; its ``model`` is replaced by the target. Prints a
+the generate function and the inference engine; its ``model`` is replaced by the target. Without
+``--recipe``, a run or run checkpoint is evaluated with the configuration it was trained with (the
+checkpoint's ``config.yaml``, else the run's); a model or trainer checkpoint needs one. Prints a
 table and writes the metrics as JSON (``--out``, default ``eval.json`` beside a run target, else the
 working directory).
 """
@@ -16,7 +18,8 @@ import argparse
 def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("target", metavar="TARGET", help="a run dir, a run or trainer checkpoint, an HF folder or a model name")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="recipe overrides, e.g. eval.sets[0].n=8")
-    p.add_argument("--recipe", required=True, help="the recipe whose eval sets, reward and engine to use")
+    p.add_argument("--recipe", help="the recipe whose eval sets, reward and engine to use (default for a run or run "
+                                    "checkpoint: the config.yaml it was trained with)")
     p.add_argument("--sets", default=None, help="comma-separated eval set names to run (default: all)")
     p.add_argument("--out", default=None, help="JSON file to write (default: eval.json beside a run, else ./eval.json)")
 
@@ -34,11 +37,13 @@ def run(args: argparse.Namespace) -> int:
     from tandem.runtime.targets import TargetError, resolve_target
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    cfg = load_config(RunConfig, args.recipe, args.overrides)
     try:
         target = resolve_target(args.target)
     except TargetError as e:
         raise ConfigError(str(e)) from None
+    if args.recipe is None:
+        args.recipe = _trained_config(target, args.target)
+    cfg = load_config(RunConfig, args.recipe, args.overrides)
     sets = cfg.eval.sets
     if args.sets:
         wanted = [s.strip() for s in args.sets.split(",") if s.strip()]
@@ -69,6 +74,20 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(metrics))
     print(f"wrote {out}")
     return 0
+
+
+def _trained_config(target, name: str) -> str:
+    """The configuration a run target was trained with: its checkpoint's ``config.yaml``, else the run's."""
+    from tandem.config import ConfigError
+
+    for folder in (target.run_checkpoint, target.run_dir):
+        if folder is not None and (folder / "config.yaml").is_file():
+            return str(folder / "config.yaml")
+    if target.run_dir is not None:
+        raise ConfigError(f"tandem eval {name}: the run has no config.yaml (neither in {target.run_checkpoint} nor "
+                          f"in {target.run_dir}): name the recipe with --recipe")
+    raise ConfigError(f"tandem eval {name}: a {target.kind.replace('_', ' ')} carries no recipe: name the one "
+                      "whose eval sets, reward and engine to use with --recipe")
 
 
 def _evaluate(cfg) -> dict[str, float]:

@@ -97,6 +97,25 @@ def test_tandem_eval_is_seeded_and_takes_every_target_kind(tmp_path):
     assert trained["eval/held/reward_mean"] != base["eval/held/reward_mean"]  # the trained weights were used
     assert main(["eval", str(run_dir), SETS, EVEN, "--recipe", str(RECIPE)]) == 0  # default: beside the run
     assert (run_dir / "eval.json").is_file()
+    # without --recipe a run is evaluated with the config it was trained with (its reward came from EVEN)
+    for path in (run_dir, ckpt):
+        assert main(["eval", str(path), SETS, "--out", str(tmp_path / "own.json")]) == 0
+        own = json.loads((tmp_path / "own.json").read_text())["metrics"]
+        assert own == results["run"]["metrics"] | {"time/eval_s": own["time/eval_s"]}
+
+
+def test_tandem_eval_without_a_recipe_needs_a_run(tmp_path, capsys):
+    from tandem.runtime.loop import Run
+
+    assert main(["eval", "tiny-llama", SETS]) == 2
+    assert "a model carries no recipe" in capsys.readouterr().err
+    run_dir = tmp_path / "run"
+    Run(load_config(RunConfig, RECIPE, ["run.steps=1"]), run_dir).train()
+    assert main(["eval", str(run_dir / "checkpoints" / "step_1" / "trainer"), SETS]) == 2
+    assert "a trainer checkpoint carries no recipe" in capsys.readouterr().err
+    (run_dir / "config.yaml").unlink()  # the checkpoint's own copy (verified with it) is the one used
+    assert main(["eval", str(run_dir), SETS]) == 0
+    assert json.loads((run_dir / "eval.json").read_text())["metrics"]["eval/held/prompts"] == 6
 
 
 def test_tandem_eval_refuses_what_is_not_a_target(tmp_path, capsys):
