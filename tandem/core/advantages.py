@@ -471,8 +471,8 @@ def _advantage_metrics(
         "adv/std": ((values - mean).square() * weights).sum().div(total).sqrt(),
         "adv/max": torch.where(present, values, -big).max() if any_present else mean * 0,
         "adv/min": torch.where(present, values, big).min() if any_present else mean * 0,
-        "reward/mean": rewards.mean(),
-        "reward/std": rewards.std(correction=0),
+        "adv/reward_mean": rewards.mean(),  # the trained batch's, after filters (``reward/mean``: every sample)
+        "adv/reward_std": rewards.std(correction=0),
     }
     if returns is not None:
         m["returns/mean"] = masked_mean(returns, mask)

@@ -30,6 +30,14 @@ def slow_even_tokens(sample: Sample) -> float:
     return even_tokens(sample)
 
 
+def even_label_solved(sample: Sample) -> float:
+    """1 for every sample of a prompt whose label is even (a solved prompt: its group has no signal and
+    ``drop_zero_std_groups`` drops it), else `even_tokens`."""
+    if int(sample.label) % 2 == 0:
+        return 1.0
+    return even_tokens(sample)
+
+
 def constant(sample: Sample) -> float:
     """The same reward for every sample: no group has a learning signal."""
     return 0.5

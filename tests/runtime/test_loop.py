@@ -106,8 +106,12 @@ def test_bad_prompts_are_dropped_and_counted(tmp_path):
 def _golden_run(tmp_path) -> list[dict]:
     run = Run(_cfg("inference.torch.deterministic=true", "trainer.fsdp.deterministic=true"), tmp_path)
     run.train()
-    keys = ("reward/mean", "reward/std", "loss/pg", "train/grad_norm", "adv/std", "rollout/response_len_mean")
-    return [{k: r[k] for k in keys} for r in read_metrics(tmp_path)]
+    keys = ("adv/reward_mean", "adv/reward_std", "loss/pg", "train/grad_norm", "adv/std", "rollout/response_len_mean")
+    rows = read_metrics(tmp_path)
+    for r in rows:  # nothing filtered: the step's rewards (every sample) are the trained batch's
+        assert r["reward/mean"] == pytest.approx(r["adv/reward_mean"], rel=1e-6)
+        assert r["reward/std"] == pytest.approx(r["adv/reward_std"], rel=1e-5)
+    return [{k: r[k] for k in keys} for r in rows]
 
 
 def test_golden_three_steps(tmp_path):
@@ -119,9 +123,29 @@ def test_golden_three_steps(tmp_path):
     want = json.loads(GOLDEN.read_text())
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
-        assert g["reward/mean"] == w["reward/mean"] and g["rollout/response_len_mean"] == w["rollout/response_len_mean"]
+        assert g["adv/reward_mean"] == w["adv/reward_mean"]
+        assert g["rollout/response_len_mean"] == w["rollout/response_len_mean"]
         for k in w:
             assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-7), k
+
+
+def test_logged_reward_is_every_samples_and_the_trained_batchs_is_apart(tmp_path):
+    """With a filter dropping the solved groups, ``reward/mean`` (the progress line's reward) is the mean over
+    every scored sample of the step, and ``adv/reward_mean`` the trained batch's: one once overwrote the other,
+    so a nearly solved task showed the rewards of its few unsolved groups."""
+    run = Run(_cfg("reward.terms=[{name: 'tests.runtime.rewards:even_label_solved'}]", "rollout.dump=true",
+                   "algorithm.filters.drop_zero_std_groups=true", "rollout.max_rounds=1", "rollout.prompts_per_step=8",
+                   "run.steps=2"), tmp_path)
+    run.train()
+    for row in read_metrics(tmp_path):
+        dumped = [json.loads(line) for line in (tmp_path / "rollouts" / f"step_{row['step']}.jsonl").open()]
+        rewards = [d["reward"] for d in dumped]
+        kept = [d["reward"] for d in dumped if int(d["label"]) % 2]
+        assert 0 < len(kept) < len(rewards), "the task must have solved and unsolved prompts"
+        assert row["reward/mean"] == pytest.approx(sum(rewards) / len(rewards))
+        assert row["rollout/pass_rate"] == pytest.approx(sum(r > 0 for r in rewards) / len(rewards))
+        assert row["adv/reward_mean"] == pytest.approx(sum(kept) / len(kept), rel=1e-6)
+        assert row["filter/dropped_zero_std_group"] == len(rewards) - len(kept)
 
 
 def test_dump_then_train_only_from_the_dump(tmp_path):

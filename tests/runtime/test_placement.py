@@ -225,8 +225,11 @@ def test_placement_and_transport_must_agree(tmp_path):
 @pytest.fixture(scope="module")
 def case():
     with RemoteEngine(_engine_spec()) as engine:
+        # the embedded engine's bound (tests/engines/test_torch_engine_contract.py, measured there): the same
+        # engine behind the process boundary; 2e-5 predated the packed-only weights and native kernels, and a
+        # sampled token now lands at 3.8e-5 (this class is `slow`: `make test` does not run it)
         yield EngineCase(engine=engine, model_path=resolve_model("tiny-llama"), max_model_len=256, vocab_size=512,
-                         logprob_atol=2e-5)
+                         logprob_atol=5e-5)
 
 
 @pytest.mark.slow
