@@ -148,6 +148,33 @@ def test_logged_reward_is_every_samples_and_the_trained_batchs_is_apart(tmp_path
         assert row["filter/dropped_zero_std_group"] == len(rewards) - len(kept)
 
 
+def test_the_parts_of_a_step_log_disjoint_metrics(tmp_path, monkeypatch):
+    """Rollout, advantages, the trainer's update and the sync each write their own keys: a step's metrics are
+    merged with ``|=``, so a key two parts share would keep only the later value."""
+    import tandem.runtime.loop as loop
+
+    parts: dict[str, set[str]] = {}
+
+    def recorded(name, fn):
+        def wrapper(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            parts.setdefault(name, set()).update(out[-1] if isinstance(out, tuple) else out)
+            return out
+        return wrapper
+
+    monkeypatch.setattr(loop, "compute_advantages", recorded("advantages", loop.compute_advantages))
+    monkeypatch.setattr(loop, "merge_mini_batch_metrics", recorded("update", loop.merge_mini_batch_metrics))
+    run = Run(_cfg("run.steps=2", "algorithm.kl.coef=0.01", "algorithm.filters.drop_zero_std_groups=true"), tmp_path)
+    for name in ("rollout", "sync_weights"):
+        monkeypatch.setattr(run, name, recorded(name, getattr(run, name)))
+    run.train()
+    assert set(parts) == {"rollout", "advantages", "update", "sync_weights"}
+    names = sorted(parts)
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            assert not parts[a] & parts[b], (a, b, sorted(parts[a] & parts[b]))
+
+
 def test_dump_then_train_only_from_the_dump(tmp_path):
     Run(_cfg("rollout.dump=true", "run.steps=2"), tmp_path / "a").train()
     dumps = sorted(p.name for p in (tmp_path / "a" / "rollouts").iterdir())
