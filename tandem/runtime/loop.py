@@ -211,7 +211,9 @@ class Run:
     def train_on(self, step: int, samples: Sequence[Sample]) -> dict[str, float]:
         """Advantages, reference log-probs / values, one optimizer step."""
         if not samples:
-            log.warning("step %d: no sample survived the filters; skipping the update", step)
+            log.warning("step %d: no sample survived the filters, so the update is skipped (filter/dropped_* in "
+                        "metrics.jsonl say why; drop_zero_std_groups drops groups whose samples all scored the "
+                        "same, as every group of a solved task does)", step)
             return {"train/skipped_step": 1.0, "train/no_samples": 1.0}
         alg = self.cfg.algorithm
         batch = TrainBatch.from_samples(samples, pad_token_id=self.pad_id)
