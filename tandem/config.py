@@ -155,7 +155,7 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
         except ConfigError:
             raise
         except (ValueError, TypeError) as e:
-            raise ConfigError(f"{path or cls.__name__}: {e}") from None
+            raise ConfigError(_located(path, cls, e)) from None
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     for k in data:
@@ -172,7 +172,19 @@ def from_dict(cls: type[T], data: Mapping[str, Any], *, path: str = "") -> T:
     except ConfigError:
         raise
     except (ValueError, TypeError) as e:
-        raise ConfigError(f"{path or cls.__name__}: {e}") from None
+        raise ConfigError(_located(path, cls, e)) from None
+
+
+def _located(path: str, cls: type, error: Exception) -> str:
+    """A component's own check, placed in the config: ``steps=0 must be >= 1`` raised by the ``run`` section
+    reads ``run.steps=0 must be >= 1``, the key as an override or a recipe names it; any other message is
+    prefixed with the section (``eval: ...``)."""
+    message = str(error)
+    field = message.split("=", 1)[0]
+    if path and "=" in message and field.isidentifier() and dataclasses.is_dataclass(cls) and \
+            field in {f.name for f in dataclasses.fields(cls)}:
+        return f"{path}.{message}"
+    return f"{path or cls.__name__}: {message}"
 
 
 def _parse_override(item: str) -> tuple[list[str], Any]:

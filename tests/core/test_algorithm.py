@@ -28,7 +28,7 @@ def test_recipe_section_is_validated_with_key_paths():
     assert cfg.advantage.estimator == "rloo" and cfg.policy_loss.clip_eps_high == 0.28
     with pytest.raises(ConfigError, match=r"advantage: unknown advantage estimator 'gpro' \(choose one of: "):
         from_dict(AlgorithmConfig, {"advantage": {"estimator": "gpro"}})
-    with pytest.raises(ConfigError, match=r"policy_loss: dual_clip_c=0.5 must be > 1"):
+    with pytest.raises(ConfigError, match=r"policy_loss.dual_clip_c=0.5 must be > 1"):
         from_dict(AlgorithmConfig, {"policy_loss": {"dual_clip_c": 0.5}})
     with pytest.raises(ConfigError, match=r"unknown key 'kl.cofe'.*did you mean 'coef'"):
         from_dict(AlgorithmConfig, {"kl": {"cofe": 0.1}})

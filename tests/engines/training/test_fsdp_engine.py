@@ -197,7 +197,7 @@ def test_config_loads_from_a_recipe_mapping():
         },
     )
     assert cfg.optimizer.betas == (0.9, 0.95) and cfg.lora.target_modules == ("q_proj", "v_proj")
-    with pytest.raises(ConfigError, match=r"lora: rank=0 must be >= 1"):
+    with pytest.raises(ConfigError, match=r"lora.rank=0 must be >= 1"):
         from_dict(FSDPConfig, {"lora": {"rank": 0}})
     with pytest.raises(ValueError, match="FSDPConfig.model is not set"):
         FSDPEngine(FSDPConfig())
