@@ -162,7 +162,7 @@ def replica_benchmarks(args, model: str = MODEL) -> dict[str, float]:
 def loop_config(mode: str, steps: int, extra: list[str]) -> RunConfig:
     return load_config(RunConfig, RECIPE, [
         "runtime.placement=ray", "inference.replicas=1", "ray.torch_threads=1", f"runtime.mode={mode}",
-        f"run.steps={steps}", "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4",
+        f"run.steps={steps}", "rollout.prompts_per_step=4", "rollout.n_samples_per_prompt=4", "eval.sets=[]",
         "tracking.progress=false", *([] if mode == "sync" else ["algorithm.off_policy.mode=tis"]), *extra])
 
 
@@ -175,7 +175,7 @@ def async_benchmark(args) -> dict[str, float]:
             run_dir = tempfile.mkdtemp(prefix="tandem-bench-ray-")
             try:
                 Run(loop_config(mode, args.steps, []), run_dir).train()
-                rows = read_metrics(run_dir)[1:]  # the first step warms up
+                rows = [r for r in read_metrics(run_dir) if "time/step_s" in r][1:]  # the first step warms up
             finally:
                 shutil.rmtree(run_dir, ignore_errors=True)  # checkpoints: a bench leaves nothing behind
             step = statistics.median(r["time/step_s"] for r in rows)
