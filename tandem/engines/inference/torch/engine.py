@@ -128,6 +128,7 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
         self._packed: dict[int, torch.Tensor] = {}
         self._plain_needed: set[int] = set()  # packed weights whose plain copy stays (merged LoRA targets)
         self._freed: dict[int, torch.Tensor] = {}  # packed-only weights sleep freed -> a packed tensor of their layout
+        self._asleep: dict[int, tuple] = {}  # weights a sleeping quantized engine holds quantized (weights.py)
         self._pack()
         self._version = 0
         self._seed_rng = random.Random(config.seed)
@@ -242,6 +243,7 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
             self._release_packed()  # a packed-only weight's packed copy is the weight: it stays, unless
             if self.config.sleep_frees_weights:
                 self._free_weights()  # the next update is to rewrite it
+            self._quantize_asleep()  # a quantized engine's plain weights: their format's bits until wake_up
             self.adapters.merged = None
 
     def wake_up(self) -> None:
@@ -249,6 +251,7 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
         (``sleep_frees_weights``) has not been rewritten by `update_weights`."""
         with self._between_steps():
             self._check_weights_held("wake_up()")
+            self._restore_asleep()
             self.cache.allocate()
             self._pack()
             self._sleeping = False

@@ -43,6 +43,7 @@ class ScoringMethods:
         out: list[list[float]] = [[] for _ in items]
         with self._between_steps():
             self._check_weights_held("score()")  # an asleep engine scores, unless sleep freed its weights
+            self._restore_asleep()  # weights a sleeping quantized engine holds quantized: their plain copies back
             numerics = (batch_invariant_mode(packed=self._packed) if self.config.deterministic
                         else fast_linear_mode(packed=self._packed))
             with torch.inference_mode(), numerics:

@@ -13,6 +13,13 @@ and dtype, which stays as the layout template, and records each in ``_freed`` (w
 update that writes one gets new memory in that layout (`packed_like`), packs into it and takes it off. Until
 every freed weight is rewritten, `wake_up`, ``score``, `named_weights` of it and a plain copy of it are refused
 (`EngineAsleepError`, naming the weights).
+
+With ``quantization`` (a QLoRA base, a QAT policy), `sleep` also stores every targeted weight that still has a
+plain copy as its quantized tensors (FP8 + scales: a quarter of float32) where they give back exactly the same
+bits (`AsleepQuantizedWeight`), and the plain copy comes back, dequantized, at `wake_up` or at anything that
+reads or writes it before (an update, an adapter fold, `named_weights`). A merged LoRA engine keeps a plain
+copy of every targeted weight (the base its fold starts from), so through a colocated trainer's step a QLoRA
+engine holds its base in the format's bits instead of float32.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ import numpy as np
 import torch
 
 from tandem.core.protocols import EngineAsleepError, NamedTensors
-from tandem.kernels.state_dict import find_quantized
+from tandem.kernels.state_dict import dequantize_tensor, find_quantized, quantize_tensor
 from tandem.ops.linear import (
+    _METADATA,
     PackedOnlyWeight,
     copy_and_repack,
     drop_plain,
@@ -36,7 +44,23 @@ from tandem.ops.linear import (
     restore_plain,
 )
 
-__all__ = ["WeightMethods"]
+__all__ = ["AsleepQuantizedWeight", "WeightMethods"]
+
+
+class AsleepQuantizedWeight(PackedOnlyWeight):
+    """A weight stored quantized while the engine sleeps (its values: ``dequantize_tensor`` of the engine's
+    record); shape and dtype answer, every other operation raises until the engine gives it back."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise RuntimeError(f"{getattr(func, '__name__', func)}() on a weight the sleeping engine holds quantized: "
+                           "wake_up() (or named_weights()) gives its values back")
+
+    def __repr__(self) -> str:
+        return f"AsleepQuantizedWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
 class _UnpackOnRead(Mapping):
@@ -109,6 +133,7 @@ class WeightMethods:
             )
         with self._between_steps(), torch.no_grad():
             self.train_drafter()  # the draft head learns the weights that produced its rollouts, before they change
+            self._restore_asleep()  # written in place below
             stale = []
             for name, tensor in items:
                 target = self._weights[name]
@@ -170,6 +195,8 @@ class WeightMethods:
         steps, while its packed copy still holds exactly the weight)."""
         if id(weight) in self._freed:
             self._check_weights_held("restoring a plain weight")
+        if id(weight) in self._asleep:
+            self._restore_asleep()
         if weight.is_meta:
             restore_plain(weight, self._packed[id(weight)])
         self._plain_needed.add(id(weight))
@@ -198,6 +225,31 @@ class WeightMethods:
                 self._freed[id(w)] = templates[key]
                 del self._packed[id(w)]
 
+    @torch.no_grad()
+    def _quantize_asleep(self) -> None:
+        """Sleep of a quantized engine: each targeted weight with a plain copy becomes its quantized tensors
+        (``_asleep``: weight id -> (name, weight, tensors)) where dequantizing them gives its bits back exactly;
+        a format whose second quantization moves values (int4_asym) keeps the float copy."""
+        if self._quant is None:
+            return
+        for name, w in self._weights.items():
+            if name not in self._quant.weight_names or w.is_meta or id(w) in self._asleep:
+                continue
+            tensors = dict(quantize_tensor(name, w.detach(), self._quant.cfg))
+            if not torch.equal(dequantize_tensor(name, tensors, self._quant.cfg, w.dtype), w.detach()):
+                continue
+            self._asleep[id(w)] = (name, w, tensors)
+            torch.utils.swap_tensors(w, AsleepQuantizedWeight(
+                torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False))
+
+    @torch.no_grad()
+    def _restore_asleep(self) -> None:
+        """Give every weight `_quantize_asleep` stored its plain copy back (the same bits)."""
+        for name, w, tensors in self._asleep.values():
+            value = dequantize_tensor(name, tensors, self._quant.cfg, w.dtype)
+            torch.utils.swap_tensors(w, torch.nn.Parameter(value, requires_grad=False))
+        self._asleep.clear()
+
     def _check_weights_held(self, what: str) -> None:
         """Refuse ``what`` while a weight that sleep freed has not been rewritten (names the first few)."""
         if not self._freed:
@@ -212,5 +264,7 @@ class WeightMethods:
     def named_weights(self) -> Mapping[str, torch.Tensor]:
         """The live weights by HF name (`WeightsView`; tied weights appear under both names). A read-only
         mapping: a packed-only weight is unpacked into a new tensor (exact) when it is read, so a caller
-        that reads a few names (``sync.verify``, one bucket at a time) does not unpack the whole model."""
+        that reads a few names (``sync.verify``, one bucket at a time) does not unpack the whole model.
+        Weights a sleeping engine holds quantized get their plain copies back first."""
+        self._restore_asleep()
         return _UnpackOnRead(self._weights, self._packed, self._freed)
