@@ -159,18 +159,20 @@ class PackedOnlyWeight(torch.nn.Parameter):
     other torch operation on it raises, naming the operation: a meta tensor alone would let ``F.linear``
     return uninitialised memory. `fast_linear` runs it from the packed copy; `restore_plain` brings it back."""
 
+    # what an operation on it is told, after "<op>() on "; a subclass with another keeper says its own
+    refusal = ("a packed-only linear weight: its plain values were dropped to save memory (the engine's packed "
+               "copy holds them); read the engine's weights with named_weights(), or keep them "
+               "(inference.torch.keep_plain_weights: true)")
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in _METADATA:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        raise RuntimeError(
-            f"{getattr(func, '__name__', func)}() on a packed-only linear weight: its plain values were dropped "
-            f"to save memory (the engine's packed copy holds them); read the engine's weights with "
-            f"named_weights(), or keep them (inference.torch.keep_plain_weights: true)")
+        raise RuntimeError(f"{getattr(func, '__name__', func)}() on {cls.refusal}")
 
     def __repr__(self) -> str:
-        return f"PackedOnlyWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
+        return f"{type(self).__name__}(shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
 def packs_in_place(weight: torch.Tensor, batch_hint: int = 32) -> bool:

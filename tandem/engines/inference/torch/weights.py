@@ -32,7 +32,6 @@ import torch
 from tandem.core.protocols import EngineAsleepError, NamedTensors
 from tandem.kernels.state_dict import dequantize_tensor, find_quantized, quantize_tensor
 from tandem.ops.linear import (
-    _METADATA,
     PackedOnlyWeight,
     copy_and_repack,
     drop_plain,
@@ -51,16 +50,7 @@ class AsleepQuantizedWeight(PackedOnlyWeight):
     """A weight stored quantized while the engine sleeps (its values: ``dequantize_tensor`` of the engine's
     record); shape and dtype answer, every other operation raises until the engine gives it back."""
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
-        raise RuntimeError(f"{getattr(func, '__name__', func)}() on a weight the sleeping engine holds quantized: "
-                           "wake_up() (or named_weights()) gives its values back")
-
-    def __repr__(self) -> str:
-        return f"AsleepQuantizedWeight(shape={tuple(self.shape)}, dtype={self.dtype})"
+    refusal = "a weight the sleeping engine holds quantized: wake_up() (or named_weights()) gives its values back"
 
 
 class _UnpackOnRead(Mapping):
