@@ -114,6 +114,22 @@ def _static(items: dict[str, float]) -> float:
     return sum(v for k, v in items.items() if k not in ("activations", "logprob_buffers"))
 
 
+def _engine_asleep(iitems: dict[str, float], wl: Workload, gpus: int) -> float:
+    """What an embedded engine on a CPU holds while the trainer in its process steps. A LoRA run in one process
+    (the adapter-only sync the planner's recipes write) keeps one base: the engine holds the trainer's frozen
+    tensors (`tandem.sync.inprocess.share_frozen_base`; its ``weights`` item becomes 0) and, asleep, frees
+    the packed copies it rebuilds from them at wake-up."""
+    if wl.lora_rank and gpus == 1:
+        iitems["weights"] = 0.0
+        return _static(iitems) - iitems.get("packed_weights", 0.0)
+    return _static(iitems)
+
+
+def _cpu_colocated(titems: dict[str, float], iitems: dict[str, float], wl: Workload, gpus: int) -> tuple[float, float]:
+    """(training-phase, rollout-phase) peak of a CPU process holding a trainer rank and its embedded engine."""
+    return _total(titems) + _engine_asleep(iitems, wl, gpus), _static(titems) + _total(iitems)
+
+
 def _pow2_upto(n: int) -> list[int]:
     return [1 << k for k in range(0, int(math.log2(max(1, n))) + 1)]
 
@@ -230,10 +246,8 @@ def _colocated(arch, dev, wl, gpus) -> Plan | None:
     cap = _capacity(dev, gpus if dev.is_cpu else 1)
     if dev.is_cpu:  # one process holds the trainer rank and its embedded engine at once
         inf, iitems = _choose_inference(arch, dev, wl, gpus, 1.0)
-        engine_static = _static(iitems)
-        lay, titems = _choose_trainer(arch, dev, gpus, wl, cap - engine_static)
-        peak_t = _total(titems) + engine_static
-        peak_i = _static(titems) + _total(iitems)
+        lay, titems = _choose_trainer(arch, dev, gpus, wl, cap - _engine_asleep(iitems, wl, gpus))
+        peak_t, peak_i = _cpu_colocated(titems, iitems, wl, gpus)
     else:
         frac = (cap - GPU_ASLEEP_RESIDUAL) / (dev.memory_gib * GIB)
         inf, iitems = _choose_inference(arch, dev, wl, gpus, frac)
@@ -388,7 +402,7 @@ def check(arch: Arch, dev: Device, wl: Workload, gpus: int, trainer: TrainerLayo
     iitems = inference_memory(arch, dev, wl, inference)
     if placement == "colocated":
         if dev.is_cpu:
-            peak_t, peak_i = _total(titems) + _static(iitems), _static(titems) + _total(iitems)
+            peak_t, peak_i = _cpu_colocated(titems, iitems, wl, gpus)
         else:
             resident = iitems["weights"] if inference.engine == "torch" else GPU_ASLEEP_RESIDUAL
             peak_t, peak_i = _total(titems) + resident, _total(iitems) + GPU_ASLEEP_RESIDUAL

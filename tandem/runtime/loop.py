@@ -62,6 +62,7 @@ from tandem.runtime.rollouts import Rollouts
 from tandem.runtime.tracking import Tracker
 from tandem.runtime.watchdog import SkipCounter, Stalled, Watchdog
 from tandem.sync import build_sender
+from tandem.sync.inprocess import share_frozen_base
 
 __all__ = ["Run"]
 
@@ -178,6 +179,8 @@ class Run:
                 self._push_weights(self.version)
             restore_drafter(ckpt, self.engine)
             log.info("resumed %s at step %d (weight version %d)", ckpt, self.step, self.version)
+        if cfg.runtime.placement == "colocated" and cfg.sync.lora_mode == "adapter" and cfg.sync.share_frozen_base:
+            share_frozen_base(self.trainer, self.engine)  # one copy of a LoRA base in the process, not two
         save_config(cfg, self.run_dir / "config.yaml")
         self.tracker = Tracker(cfg.tracking, self.run_dir, run_name=cfg.run.name, resume_step=resume_step,
                                config=to_dict(cfg))

@@ -84,6 +84,9 @@ class SyncConfig:
     fallback: Literal["disk"] | None = None
     # LoRA: send merged full weights, or the adapter alone (to engines that load adapters)
     lora_mode: Literal["merged", "adapter"] = "merged"
+    # colocated with lora_mode adapter: the engine holds the trainer's frozen base tensors instead of a copy of
+    # its own (one base in the process, not two; tandem.sync.inprocess.share_frozen_base); false: its own copy
+    share_frozen_base: bool = True
     # quantize on send through tandem.kernels: use the trainer's QAT config so the engine gets the
     # bits of the trainer's fake-quantized forward; None sends the trainer's dtype
     quantize: QuantConfig | None = None

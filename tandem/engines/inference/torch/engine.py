@@ -129,6 +129,8 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
         self._plain_needed: set[int] = set()  # packed weights whose plain copy stays (merged LoRA targets)
         self._freed: dict[int, torch.Tensor] = {}  # packed-only weights sleep freed -> a packed tensor of their layout
         self._asleep: dict[int, tuple] = {}  # weights a sleeping quantized engine holds quantized (weights.py)
+        self._shared: set[int] = set()  # weights that view a colocated trainer's frozen tensors (share_weights)
+        self._frozen_quant: dict[int, dict] = {}  # weight id -> a QLoRA trainer's quantized tensors of it
         self._pack()
         self._version = 0
         self._seed_rng = random.Random(config.seed)
@@ -302,7 +304,11 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
             "kv_cache_tokens": self.cache.num_slots * self.cache.slot_len,
             "kv_cache_bytes": self.cache.nbytes if self.cache.allocated else 0,
             "packed_weight_bytes": sum(w.numel() * w.element_size() for w in self._packed.values()),
-            "plain_weight_bytes": sum(w.numel() * w.element_size() for w in self.model.parameters() if not w.is_meta),
+            "plain_weight_bytes": sum(w.numel() * w.element_size() for w in self.model.parameters()
+                                      if not w.is_meta and id(w) not in self._shared),
+            # weights that view a colocated trainer's frozen tensors (share_weights): that memory is the trainer's
+            "shared_weight_bytes": sum(w.numel() * w.element_size() for w in self.model.parameters()
+                                       if id(w) in self._shared),
             "freed_weight_bytes": sum(t.numel() * t.element_size() for t in self._freed.values()),
             "lora_merged": self.adapters.merged.name if self.adapters.merged is not None else None,
             "deterministic": self.config.deterministic,

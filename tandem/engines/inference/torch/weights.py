@@ -6,7 +6,7 @@ weight in place, between two steps; where a weight has a packed copy (oneDNN's b
 together (`copy_and_repack`), else the packed copy is rebuilt after the plain one is written. A mixin of
 `tandem.engines.inference.torch.engine.TorchEngine`, like `AdapterMethods` and `ScoringMethods`: the
 engine holds ``model``, ``config``, ``cache``, ``adapters``, ``_weights``, ``_packed``, ``_freed``, ``_quant``,
-``_policy_adapter``, ``_version`` and ``_between_steps``.
+``_policy_adapter``, ``_version``, ``_shared``, ``_frozen_quant`` and ``_between_steps``.
 
 With ``sleep_frees_weights``, `sleep` drops the packed copy of every packed-only weight but one per shape
 and dtype, which stays as the layout template, and records each in ``_freed`` (weight id -> template); an
@@ -20,11 +20,17 @@ bits (`AsleepQuantizedWeight`), and the plain copy comes back, dequantized, at `
 reads or writes it before (an update, an adapter fold, `named_weights`). A merged LoRA engine keeps a plain
 copy of every targeted weight (the base its fold starts from), so through a colocated trainer's step a QLoRA
 engine holds its base in the format's bits instead of float32.
+
+`share_weights` (a colocated LoRA run, `tandem.sync.inprocess.share_frozen_base`): the engine holds the trainer's
+frozen base tensors as its weights (``_shared``: their ids) instead of its own copies, after checking they are
+equal, element for element; a quantized engine records a QLoRA base's quantized tensors (``_frozen_quant``) and
+holds those while asleep instead of quantizing its own copy. Adapter-only sync never writes the base; an update
+that writes a shared weight gives it its own memory first (copy-on-write) and forgets its quantized tensors.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -74,6 +80,11 @@ class _UnpackOnRead(Mapping):
 
 
 _PARALLEL_COPY_BYTES = 8 << 20
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same device and the same values, element for element."""
+    return a.device == b.device and torch.equal(a, b)
 
 
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
@@ -127,6 +138,7 @@ class WeightMethods:
             stale = []
             for name, tensor in items:
                 target = self._weights[name]
+                self._own(target)  # a shared frozen tensor is the trainer's: never written here
                 source = tensor if self._quant is None else self._quant.served(name, tensor, target.dtype)
                 if type(target) is PackedOnlyWeight:  # the packed copy is the weight
                     template = self._freed.get(id(target))
@@ -219,15 +231,23 @@ class WeightMethods:
     def _quantize_asleep(self) -> None:
         """Sleep of a quantized engine: each targeted weight with a plain copy becomes its quantized tensors
         (``_asleep``: weight id -> (name, weight, tensors)) where dequantizing them gives its bits back exactly;
-        a format whose second quantization moves values (int4_asym) keeps the float copy."""
+        a format whose second quantization moves values (int4_asym) keeps the float copy. A weight whose
+        tensors a colocated trainer holds (``_frozen_quant``) takes those, packed-only or not (its packed copy
+        is freed too; wake_up packs it again)."""
         if self._quant is None:
             return
         for name, w in self._weights.items():
-            if name not in self._quant.weight_names or w.is_meta or id(w) in self._asleep:
+            if name not in self._quant.weight_names or id(w) in self._asleep:
                 continue
-            tensors = dict(quantize_tensor(name, w.detach(), self._quant.cfg))
-            if not torch.equal(dequantize_tensor(name, tensors, self._quant.cfg, w.dtype), w.detach()):
-                continue
+            tensors = self._frozen_quant.get(id(w))  # the trainer's, checked equal at share_weights
+            if w.is_meta:  # packed-only: its packed copy goes too where the trainer's tensors hold its values
+                if tensors is None or id(w) in self._freed:
+                    continue
+                del self._packed[id(w)]
+            elif tensors is None:
+                tensors = dict(quantize_tensor(name, w.detach(), self._quant.cfg))
+                if not torch.equal(dequantize_tensor(name, tensors, self._quant.cfg, w.dtype), w.detach()):
+                    continue
             self._asleep[id(w)] = (name, w, tensors)
             torch.utils.swap_tensors(w, AsleepQuantizedWeight(
                 torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False))
@@ -239,6 +259,68 @@ class WeightMethods:
             value = dequantize_tensor(name, tensors, self._quant.cfg, w.dtype)
             torch.utils.swap_tensors(w, torch.nn.Parameter(value, requires_grad=False))
         self._asleep.clear()
+
+    @torch.no_grad()
+    def share_weights(self, named: Iterable[tuple[str, torch.Tensor]],
+                      quantized: Iterable[tuple[str, Mapping[str, torch.Tensor]]] = ()) -> dict[str, float]:
+        """Hold tensors that a colocated trainer keeps frozen (a LoRA run's base) as the weights of the same
+        HF names instead of copies: each weight then views that tensor's memory and its own copy is freed.
+        ``named``: (name, tensor) of the weight's shape, dtype and device, contiguous and equal to it element
+        for element. ``quantized`` (a quantized engine only): (name, the weight's quantized tensors as
+        `tandem.kernels.state_dict.quantize_tensor` names them) of a QLoRA base; where they dequantize to
+        exactly the weight's values, sleep holds them instead of quantizing a copy of its own. Anything else
+        is skipped and counted. Copy-on-write: an update that writes a shared weight gives it its own memory
+        first. The caller must not write the tensors (a frozen base is never written by the trainer).
+        Returns counts and MiB shared."""
+        out = {"shared_tensors": 0.0, "shared_mib": 0.0, "quantized_tensors": 0.0, "quantized_mib": 0.0,
+               "skipped": 0.0}
+        with self._between_steps():
+            self._check_weights_held("share_weights()")
+            self._restore_asleep()
+            for name, tensor in named:
+                w = self._weights.get(name)
+                t = tensor.detach()
+                if w is not None and id(w) in self._shared and w.data_ptr() == t.data_ptr():
+                    continue  # a tied alias, already shared
+                if (w is None or id(w) in self._shared or t.shape != w.shape or t.dtype != w.dtype
+                        or not t.is_contiguous() or not _equal(self._value(w), t)):
+                    out["skipped"] += 1
+                    continue
+                torch.utils.swap_tensors(w, torch.nn.Parameter(t, requires_grad=False))
+                self._shared.add(id(w))
+                self._plain_needed.add(id(w))  # its plain copy costs nothing: `_drop_plain` keeps it
+                out["shared_tensors"] += 1
+                out["shared_mib"] += t.numel() * t.element_size() / 2**20
+            for name, tensors in quantized:
+                w = self._weights.get(name)
+                tensors = {k: v.detach() for k, v in tensors.items()}
+                if (self._quant is None or w is None or name not in self._quant.weight_names
+                        or not self._dequantizes_to(name, tensors, w)):
+                    out["skipped"] += 1
+                    continue
+                self._frozen_quant[id(w)] = tensors
+                out["quantized_tensors"] += 1
+                out["quantized_mib"] += sum(v.numel() * v.element_size() for v in tensors.values()) / 2**20
+        return out
+
+    def _value(self, w: torch.Tensor) -> torch.Tensor:
+        """``w``'s values (a packed-only weight's unpacked into a new tensor)."""
+        return self._packed[id(w)].to_dense() if w.is_meta else w.detach()
+
+    def _dequantizes_to(self, name: str, tensors: dict[str, torch.Tensor], w: torch.Tensor) -> bool:
+        try:
+            value = dequantize_tensor(name, tensors, self._quant.cfg, w.dtype)
+        except (KeyError, ValueError, RuntimeError):  # another format's tensors
+            return False
+        return value.shape == w.shape and _equal(value, self._value(w))
+
+    def _own(self, w: torch.Tensor) -> None:
+        """Before ``w`` is written: a shared weight gets memory of its own (its values are about to be
+        overwritten whole), and quantized tensors recorded for it no longer hold its values."""
+        self._frozen_quant.pop(id(w), None)
+        if id(w) in self._shared:
+            self._shared.discard(id(w))
+            torch.utils.swap_tensors(w, torch.nn.Parameter(torch.empty_like(w), requires_grad=False))
 
     def _check_weights_held(self, what: str) -> None:
         """Refuse ``what`` while a weight that sleep freed has not been rewritten (names the first few)."""

@@ -41,7 +41,7 @@ from tandem.engines.training.common import (
 )
 from tandem.engines.training.fsdp import checkpoint as ckpt
 from tandem.engines.training.fsdp.config import FSDPConfig, OptimizerConfig
-from tandem.engines.training.fsdp.lora import adapters_disabled, apply_lora, hf_tensors
+from tandem.engines.training.fsdp.lora import adapters_disabled, apply_lora, frozen_base, hf_tensors
 from tandem.engines.training.fsdp.modules import (
     CriticModel,
     LoadedLM,
@@ -395,6 +395,17 @@ class FSDPEngine:
         if not adapter_only:  # the checkpoint's names: an HF model may have fused weights at load (MoE experts)
             named = checkpoint_named(lm, named)
         yield from bucket_by_bytes(named, bucket_bytes)
+
+    def frozen_weights(self) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, dict[str, torch.Tensor]]]]:
+        """A LoRA policy's frozen base as this process holds it, for a colocated engine to hold instead of its
+        own copy (`tandem.sync.inprocess.share_frozen_base`): HF-named plain tensors, and a QLoRA base's
+        quantized tensors (`tandem.engines.training.fsdp.lora.frozen_base`). Nothing is copied. Empty unless
+        LoRA in one process on the CPU (sharded or GPU-resident weights move or are gathered). This engine
+        never writes them: no gradient, no optimizer state, and a LoRA checkpoint holds only the adapters."""
+        self._check_open()
+        if self.config.lora is None or self.ctx.sharded or self.ctx.device.type != "cpu":
+            return [], []
+        return frozen_base(self.policy.module.lm)
 
     def save(self, path: str) -> None:
         """DCP checkpoint of the policy (and critic): weights, optimizer, LR schedule, RNG, step."""

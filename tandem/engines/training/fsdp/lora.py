@@ -18,7 +18,7 @@ from torch import nn
 
 from tandem.engines.training.fsdp.config import LoRAConfig
 
-__all__ = ["adapters_disabled", "apply_lora", "hf_tensors", "linear_module_names"]
+__all__ = ["adapters_disabled", "apply_lora", "frozen_base", "hf_tensors", "linear_module_names"]
 
 ADAPTER = "default"  # peft's adapter name; adapters are saved without it (peft's file naming)
 _BASE = ".base_layer."
@@ -131,3 +131,27 @@ def hf_tensors(
         if leaf == "weight" and owner in layers:
             full = _merged(layers[owner], full, gather)
         yield f"{owner}.{leaf}", full
+
+
+def frozen_base(lm: nn.Module) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, dict[str, torch.Tensor]]]]:
+    """The frozen weights of a LoRA'd ``lm`` as they are held (no copy): ``(HF name, tensor)`` of every
+    parameter or buffer that does not train (tied weights once), and ``(HF name of the weight, its quantized
+    tensors as `tandem.kernels.state_dict.quantize_tensor` names them)`` for each QLoRA base layer. What a
+    colocated engine may hold instead of copies (`TorchEngine.share_weights`)."""
+    quantized = _quantized_layers(lm)
+    plain, packed = [], []
+    seen: set[int] = set()
+    for name, t in lm.state_dict(keep_vars=True).items():
+        if id(t) in seen or ".lora_" in name or t.requires_grad:
+            continue
+        seen.add(id(t))
+        module, _, leaf = name.rpartition(".")
+        if module not in quantized:
+            plain.append((name.replace(_BASE, "."), t.detach()))
+        elif leaf == "bias":
+            plain.append((f"{module.removesuffix(_BASE[:-1])}.bias", t.detach()))
+    for module, layer in quantized.items():
+        owner = module.removesuffix(_BASE[:-1])
+        tensors = layer.quantized_tensors(f"{owner}.weight")
+        packed.append((f"{owner}.weight", {n: t.detach() for n, t in tensors.items()}))
+    return plain, packed

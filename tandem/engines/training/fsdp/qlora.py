@@ -57,9 +57,12 @@ class QuantizedLinear(nn.Module):
             self._names[buffer] = name
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
+    def quantized_tensors(self, name: str = "weight") -> dict[str, torch.Tensor]:
+        """The weight's quantized tensors (the buffers themselves) as `quantize_tensor(name, ...)` names them."""
+        return {name + n.removeprefix("weight"): getattr(self, b) for b, n in self._names.items()}
+
     def dequantized(self) -> torch.Tensor:
-        return dequantize_tensor("weight", {n: getattr(self, b) for b, n in self._names.items()}, self.cfg,
-                                 self.compute_dtype)
+        return dequantize_tensor("weight", self.quantized_tensors(), self.cfg, self.compute_dtype)
 
     @property
     def weight(self) -> torch.Tensor:
