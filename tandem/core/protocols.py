@@ -29,6 +29,7 @@ __all__ = [
     "EngineError",
     "EngineInfo",
     "FinishReason",
+    "FrozenWeights",
     "GenerationRequest",
     "GenerationResult",
     "InferenceEngine",
@@ -39,6 +40,7 @@ __all__ = [
     "NamedTensors",
     "SamplingParams",
     "ScoringEngine",
+    "SharesWeights",
     "TrainingEngine",
     "WeightSync",
     "WeightsView",
@@ -321,6 +323,24 @@ class WeightsView(Protocol):
     """An inference engine with ``info.exposes_weights``: its live weights by HF name (for ``sync.verify``)."""
 
     def named_weights(self) -> Mapping[str, torch.Tensor]: ...
+
+
+@runtime_checkable
+class SharesWeights(Protocol):
+    """An inference engine that can hold tensors a trainer in its own process keeps frozen (a LoRA base) as its
+    weights instead of copies (`tandem.sync.inprocess.share_frozen_base`). It checks each tensor equals its
+    weight, never writes one (an update gives the weight its own memory first), and skips what does not fit."""
+
+    def share_weights(self, named: NamedTensors,
+                      quantized: Iterable[tuple[str, Mapping[str, torch.Tensor]]] = ()) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class FrozenWeights(Protocol):
+    """A training engine that hands out the frozen tensors it holds whole in this process (a LoRA base), uncopied:
+    HF-named plain tensors, and (HF name, quantized tensors) of a quantized base. It never writes them."""
+
+    def frozen_weights(self) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, dict[str, torch.Tensor]]]]: ...
 
 
 @dataclass(kw_only=True, slots=True)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from tandem.core.protocols import FrozenWeights, SharesWeights
 from tandem.kernels.config import QuantConfig
 from tandem.sync.apply import WeightApplier
 from tandem.sync.base import NamedList, SyncError, sync_metrics, tensor_hashes
@@ -63,18 +64,17 @@ class InProcessSync:
 
 
 def share_frozen_base(trainer: Any, engine: Any) -> dict[str, float]:
-    """Let ``engine`` hold the frozen tensors ``trainer`` keeps (a LoRA base: the trainer's ``frozen_weights``,
-    the engine's ``share_weights``, which checks each is equal to its own weight) instead of its own copies.
+    """Let ``engine`` hold the frozen tensors ``trainer`` keeps (a LoRA base: `FrozenWeights`, `SharesWeights`;
+    the engine checks each is equal to its own weight) instead of its own copies.
     For a colocated run whose sync sends the adapters alone: nothing ever writes the base, so one copy serves
     both (SmolLM2-135M in float32: ~540 MB). An engine or trainer without the methods, or a trainer whose
     base is sharded or on a GPU, shares nothing ({})."""
-    frozen, share = getattr(trainer, "frozen_weights", None), getattr(engine, "share_weights", None)
-    if frozen is None or share is None:
+    if not (isinstance(trainer, FrozenWeights) and isinstance(engine, SharesWeights)):
         return {}
-    plain, quantized = frozen()
+    plain, quantized = trainer.frozen_weights()
     if not plain and not quantized:
         return {}
-    out = share(plain, quantized)
+    out = engine.share_weights(plain, quantized)
     log.info("the engine holds %d of the trainer's frozen tensors (%.0f MiB) instead of copies, and %d quantized "
              "base weights (%.0f MiB) for its sleep; %d not shared (different values, dtype or layout)",
              out["shared_tensors"], out["shared_mib"], out["quantized_tensors"], out["quantized_mib"], out["skipped"])

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tandem.config import load_config
+from tandem.core.protocols import FrozenWeights, SharesWeights
 from tandem.engines.inference.torch.weights import AsleepQuantizedWeight
 from tandem.engines.training.fsdp import FSDPConfig, FSDPEngine, OptimizerConfig
 from tandem.engines.training.fsdp.lora import hf_tensors
@@ -19,6 +20,7 @@ from tandem.models import ModelConfig
 from tandem.runtime.config import RunConfig
 from tandem.runtime.loop import Run
 from tandem.runtime.tracking import read_metrics
+from tandem.sync.inprocess import share_frozen_base
 
 from .test_torch_engine_lora import LORA, RECIPE, _out, _req
 from .torch_helpers import make_engine, prompts
@@ -48,6 +50,8 @@ def test_an_engine_sharing_the_trainers_frozen_base_serves_exactly_what_its_own_
     plain, quantized = trainer.frozen_weights()
     assert plain and not quantized and not any(".lora_" in n or "base_layer" in n for n, _ in plain)
     own, shared = (make_engine(lora_alpha=8.0, deterministic=deterministic) for _ in range(2))
+    assert isinstance(trainer, FrozenWeights) and isinstance(shared, SharesWeights)
+    assert share_frozen_base(object(), shared) == {} and share_frozen_base(trainer, object()) == {}
     held = own.health()["plain_weight_bytes"] + own.health()["packed_weight_bytes"]
     out = shared.share_weights(plain)
     assert out["shared_tensors"] == len(plain) and out["skipped"] == 0
