@@ -478,6 +478,7 @@ def _advantage_metrics(
         m["returns/mean"] = masked_mean(returns, mask)
     if uses_groups:
         groups = group_layout(batch.group_index)
-        m["reward/zero_std_group_frac"] = (groups.spread(rewards.double()) == 0).double().mean()
-        m["reward/num_groups"] = float(groups.num_groups)
+        # the trained batch's groups (``reward/num_groups`` and ``reward/zero_std_group_frac``: every scored group)
+        m["adv/zero_std_group_frac"] = (groups.spread(rewards.double()) == 0).double().mean()
+        m["adv/num_groups"] = float(groups.num_groups)
     return metrics_to_floats(m)

@@ -57,6 +57,13 @@ def rollout_metrics(samples: Sequence[Sample], *, seconds: float) -> dict[str, f
             "reward/p90": float(q90),
             "rollout/pass_rate": float((rewards > 0).mean()),
         }
+    groups: dict[int, list[float]] = {}
+    for s in samples:
+        if s.reward is not None and s.group_index >= 0:
+            groups.setdefault(s.group_index, []).append(s.scalar_reward())
+    if groups:  # every scored group (the trained batch's, after filters: ``adv/num_groups``, ``adv/zero_std_group_frac``)
+        out["reward/num_groups"] = float(len(groups))
+        out["reward/zero_std_group_frac"] = float(np.mean([max(g) == min(g) for g in groups.values()]))
     return out
 
 

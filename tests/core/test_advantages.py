@@ -129,14 +129,14 @@ def test_compute_advantages_broadcasts_over_the_mask_and_keeps_fully_masked_rows
     assert adv.tolist() == [[-1.0, -1.0, 0.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
     assert batch.advantages is None and new.returns is None  # input untouched
     assert metrics["adv/mean"] == pytest.approx(-2 / 3) and metrics["adv/max"] == 0.0
-    assert metrics["adv/min"] == -1.0 and metrics["reward/num_groups"] == 1.0
+    assert metrics["adv/min"] == -1.0 and metrics["adv/num_groups"] == 1.0
     assert all(isinstance(v, float) for v in metrics.values())
 
 
 def test_zero_std_group_fraction_metric():
     batch = make_batch(torch.ones(4, 2), rewards=[1.0, 1.0, 0.0, 1.0], group_index=[0, 0, 1, 1])
     _, _, metrics = _adv(batch)
-    assert metrics["reward/zero_std_group_frac"] == 0.5
+    assert metrics["adv/zero_std_group_frac"] == 0.5
 
 
 # -- token-level estimators -----------------------------------------------------------------------

@@ -46,7 +46,7 @@ def test_user_estimator_with_options_by_hand():
     expected = [[1.5, 1.5], [-1.0, 0.0], [-1.0, -1.0], [0.0, 0.0]]
     assert torch.allclose(out.advantages, torch.tensor(expected))
     assert out.returns is None
-    assert metrics["reward/num_groups"] == 2.0  # uses_groups: the group metrics are logged
+    assert metrics["adv/num_groups"] == 2.0  # uses_groups: the group metrics are logged
 
 
 def test_user_estimator_needing_a_critic_by_hand():

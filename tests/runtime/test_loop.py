@@ -146,6 +146,10 @@ def test_logged_reward_is_every_samples_and_the_trained_batchs_is_apart(tmp_path
         assert row["rollout/pass_rate"] == pytest.approx(sum(r > 0 for r in rewards) / len(rewards))
         assert row["adv/reward_mean"] == pytest.approx(sum(kept) / len(kept), rel=1e-6)
         assert row["filter/dropped_zero_std_group"] == len(rewards) - len(kept)
+        # the group figures likewise: every scored group under reward/, the trained batch's under adv/
+        assert row["reward/num_groups"] == row["filter/groups_in"] == 8
+        assert row["reward/zero_std_group_frac"] == 1 - row["filter/groups_kept"] / 8 > 0
+        assert row["adv/num_groups"] == row["filter/groups_kept"] and row["adv/zero_std_group_frac"] == 0
 
 
 def test_the_parts_of_a_step_log_disjoint_metrics(tmp_path, monkeypatch):
