@@ -108,7 +108,7 @@ def invariant_linear(
     lead, k = x.shape[:-1], x.shape[-1]
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
-    onednn = uses_onednn(x2, weight) or type(weight) is PackedOnlyWeight
+    onednn = uses_onednn(x2, weight) or isinstance(weight, PackedOnlyWeight)
     mp = max(m, 2) if onednn else padded_rows(m)
     if mp != m:
         x2 = F.pad(x2, (0, 0, 0, mp - m))

@@ -113,7 +113,7 @@ def fast_linear(
     ``packed`` maps ``id(weight)`` to a packed copy (`pack_weights`), used when grad is not needed. For a
     `PackedOnlyWeight` (`drop_plain`) only the packed product exists: an operand it cannot take is an error.
     """
-    if type(weight) is PackedOnlyWeight:
+    if isinstance(weight, PackedOnlyWeight):
         if not packed or id(weight) not in packed:
             raise RuntimeError(f"a packed-only weight {tuple(weight.shape)} has no packed copy in this product's "
                                f"packed weights: its values exist nowhere else")

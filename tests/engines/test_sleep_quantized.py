@@ -56,8 +56,10 @@ def test_a_sleeping_qlora_engine_holds_its_base_quantized_and_wakes_to_the_same_
         assert engine.health()["plain_weight_bytes"] == plain_bytes - freed
         with pytest.raises(RuntimeError, match="holds quantized"):
             params[asleep[0]].sum()
-    engine.wake_up()
-    assert not _asleep(engine) and engine.health()["plain_weight_bytes"] == plain_bytes
+    engine.wake_up()  # the packed copies are built from the quantized values: the weights stay held quantized
+    if fmt != "int4_asym":
+        assert set(_asleep(engine)) == plain_targets
+        assert engine.health()["plain_weight_bytes"] == plain_bytes - freed
     assert [_out(r) for r in engine.generate(reqs)] == before  # folded and packed again from the same bits
     for name, tensor in engine.named_weights().items():
         assert torch.equal(tensor, weights[name]), name
@@ -98,3 +100,36 @@ def test_an_update_while_asleep_writes_into_the_plain_weights(adapter):
         assert torch.equal(a, b), name
     reqs = [_req(p, seed=i) for i, p in enumerate(prompts([6, 11]))]
     assert [_out(r) for r in awake.generate(reqs)] == [_out(r) for r in sleeper.generate(reqs)]
+
+
+def test_a_woken_quantized_engine_serves_syncs_and_scores_from_its_packed_copies(adapter):
+    """Awake, a weight held quantized has only its packed copy: generation, scoring, an adapter sync (folded
+    from its dequantized values) and a full update give exactly what an engine that never slept gives."""
+    cfg = FORMATS["fp8_block"]
+    woken, awake = make_engine(lora_alpha=8.0, quantization=cfg), make_engine(lora_alpha=8.0, quantization=cfg)
+    for engine in (woken, awake):
+        engine.load_lora_adapter(adapter, version=1)
+    woken.sleep()
+    woken.wake_up()
+    held = _asleep(woken)
+    assert held and woken.health()["plain_weight_bytes"] < awake.health()["plain_weight_bytes"]
+    reqs = [_req(p, seed=i) for i, p in enumerate(prompts([5, 9, 14]))]
+    seqs = [(p + [3, 4, 5], len(p)) for p in prompts([4, 7])]
+
+    def same() -> None:
+        assert [_out(r) for r in woken.generate(reqs)] == [_out(r) for r in awake.generate(reqs)]
+        assert woken.score(seqs) == awake.score(seqs)
+
+    same()
+    assert _asleep(woken) == held  # scoring read the packed copies: nothing came back
+    other = [(n, t * -0.5) for n, t in adapter]
+    for engine in (woken, awake):
+        engine.load_lora_adapter(other, version=2)  # folded into the packed copies from the held values
+    same()
+    assert _asleep(woken) == held
+    new = [(n, t * 0.9) for n, t in awake.named_weights().items()]
+    for engine in (woken, awake):
+        engine.update_weights(new, version=3)
+    same()
+    for (name, a), b in zip(awake.named_weights().items(), woken.named_weights().values(), strict=True):
+        assert torch.equal(a, b), name

@@ -253,9 +253,11 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
         (``sleep_frees_weights``) has not been rewritten by `update_weights`."""
         with self._between_steps():
             self._check_weights_held("wake_up()")
-            self._restore_asleep()
+            if not self._packs():
+                self._restore_asleep()  # else weights held quantized stay so: _pack packs them from their values
             self.cache.allocate()
             self._pack()
+            self._restore_asleep(keep=self._packed)  # any the packing did not cover gets its plain copy
             self._sleeping = False
 
     def train_drafter(self) -> dict[str, float]:

@@ -307,11 +307,11 @@ class AdapterMethods:
         names = set(old.modules if old is not None else ()) | set(new.modules if new is not None else ())
         with torch.no_grad():
             for name in sorted(names):
-                w = self._plain(served.linears[name].weight)  # the base the fold starts from
-                source = w
+                w = served.linears[name].weight
+                source = self._fold_base(w)  # the base the fold starts from
                 if new is not None and name in new.modules:
                     a, b = new.modules[name]
-                    source = torch.addmm(w, b.to(w.dtype), a.to(w.dtype), alpha=new.scaling)
+                    source = torch.addmm(source, b.to(w.dtype), a.to(w.dtype), alpha=new.scaling)
                 pack_into(self._packed, w, source)  # into the existing packed copy where it can
         served.merged = new
 

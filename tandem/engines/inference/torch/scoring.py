@@ -43,7 +43,8 @@ class ScoringMethods:
         out: list[list[float]] = [[] for _ in items]
         with self._between_steps():
             self._check_weights_held("score()")  # an asleep engine scores, unless sleep freed its weights
-            self._restore_asleep()  # weights a sleeping quantized engine holds quantized: their plain copies back
+            self._restore_asleep(keep=self._packed)  # weights held quantized: their plain copies back, unless a
+            # packed copy serves them (awake)
             numerics = (batch_invariant_mode(packed=self._packed) if self.config.deterministic
                         else fast_linear_mode(packed=self._packed))
             with torch.inference_mode(), numerics:

@@ -30,7 +30,7 @@ that writes a shared weight gives it its own memory first (copy-on-write) and fo
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -38,6 +38,7 @@ import torch
 from tandem.core.protocols import EngineAsleepError, NamedTensors
 from tandem.kernels.state_dict import dequantize_tensor, find_quantized, quantize_tensor
 from tandem.ops.linear import (
+    CAN_PACK,
     PackedOnlyWeight,
     copy_and_repack,
     drop_plain,
@@ -168,11 +169,17 @@ class WeightMethods:
             raise ValueError(f"update_weights(version={version}) rejected, weights untouched: {e}") from e
         return items
 
+    def _packs(self) -> bool:
+        """Whether the steps read oneDNN-packed weight copies (CPU, ``pack_weights``)."""
+        return bool(self.config.pack_weights and self.cache.device.type == "cpu" and CAN_PACK)
+
     def _pack(self) -> None:
         if self.config.pack_weights and self.cache.device.type == "cpu":
             merge = self._policy_to_merge()  # its weights are packed once, merged, by _fold_policy
             skip = frozenset(id(self.adapters.linears[m].weight) for m in merge.modules) if merge else frozenset()
             self._packed.update(pack_weights(self.model, skip=skip))  # packed-only weights kept theirs
+            for key in [k for k in self._asleep if k not in skip and k not in self._packed]:
+                pack_into(self._packed, self._asleep[key][1], self._held_value(key))  # held quantized: one at a time
             self.adapters.merged = None
             self._fold_policy(packing=True)
             self._drop_plain()
@@ -237,7 +244,10 @@ class WeightMethods:
         if self._quant is None:
             return
         for name, w in self._weights.items():
-            if name not in self._quant.weight_names or id(w) in self._asleep:
+            if name not in self._quant.weight_names:
+                continue
+            if id(w) in self._asleep:  # held quantized while awake too: its packed copy goes, wake_up packs it again
+                self._packed.pop(id(w), None)
                 continue
             tensors = self._frozen_quant.get(id(w))  # the trainer's, checked equal at share_weights
             if w.is_meta:  # packed-only: its packed copy goes too where the trainer's tensors hold its values
@@ -253,12 +263,26 @@ class WeightMethods:
                 torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False))
 
     @torch.no_grad()
-    def _restore_asleep(self) -> None:
-        """Give every weight `_quantize_asleep` stored its plain copy back (the same bits)."""
-        for name, w, tensors in self._asleep.values():
-            value = dequantize_tensor(name, tensors, self._quant.cfg, w.dtype)
+    def _restore_asleep(self, keep: Container[int] = ()) -> None:
+        """Give every weight `_quantize_asleep` stored, but those whose ids are in ``keep``, its plain copy back
+        (the same bits)."""
+        for key in [k for k in self._asleep if k not in keep]:
+            name, w, _ = self._asleep[key]
+            value = self._held_value(key)
+            del self._asleep[key]
             torch.utils.swap_tensors(w, torch.nn.Parameter(value, requires_grad=False))
-        self._asleep.clear()
+
+    def _held_value(self, key: int) -> torch.Tensor:
+        """The values of a weight held quantized (``_asleep[key]``), dequantized into a new tensor."""
+        name, w, tensors = self._asleep[key]
+        return dequantize_tensor(name, tensors, self._quant.cfg, w.dtype)
+
+    def _fold_base(self, weight: torch.Tensor) -> torch.Tensor:
+        """The base values an adapter fold starts from: a weight held quantized stays so where the steps read
+        packed copies (its values dequantized for this fold only); any other gets a plain copy (`_plain`)."""
+        if id(weight) in self._asleep and self._packs():
+            return self._held_value(id(weight))
+        return self._plain(weight)
 
     @torch.no_grad()
     def share_weights(self, named: Iterable[tuple[str, torch.Tensor]],
