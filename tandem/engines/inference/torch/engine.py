@@ -128,7 +128,7 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
         self._packed: dict[int, torch.Tensor] = {}
         self._plain_needed: set[int] = set()  # packed weights whose plain copy stays (merged LoRA targets)
         self._freed: dict[int, torch.Tensor] = {}  # packed-only weights sleep freed -> a packed tensor of their layout
-        self._asleep: dict[int, tuple] = {}  # weights a sleeping quantized engine holds quantized (weights.py)
+        self._asleep: dict[int, tuple] = {}  # weights a quantized engine holds quantized since it slept (weights.py)
         self._shared: set[int] = set()  # weights that view a colocated trainer's frozen tensors (share_weights)
         self._frozen_quant: dict[int, dict] = {}  # weight id -> a QLoRA trainer's quantized tensors of it
         self._pack()
@@ -249,7 +249,8 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
             self.adapters.merged = None
 
     def wake_up(self) -> None:
-        """Allocate the KV cache and re-pack; refused (the engine stays asleep) while a weight that sleep freed
+        """Allocate the KV cache and re-pack (weights held quantized are packed from their dequantized values and
+        stay held; weights.py); refused (the engine stays asleep) while a weight that sleep freed
         (``sleep_frees_weights``) has not been rewritten by `update_weights`."""
         with self._between_steps():
             self._check_weights_held("wake_up()")

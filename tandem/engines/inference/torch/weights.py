@@ -16,10 +16,12 @@ every freed weight is rewritten, `wake_up`, ``score``, `named_weights` of it and
 
 With ``quantization`` (a QLoRA base, a QAT policy), `sleep` also stores every targeted weight that still has a
 plain copy as its quantized tensors (FP8 + scales: a quarter of float32) where they give back exactly the same
-bits (`AsleepQuantizedWeight`), and the plain copy comes back, dequantized, at `wake_up` or at anything that
-reads or writes it before (an update, an adapter fold, `named_weights`). A merged LoRA engine keeps a plain
-copy of every targeted weight (the base its fold starts from), so through a colocated trainer's step a QLoRA
-engine holds its base in the format's bits instead of float32.
+bits (`AsleepQuantizedWeight`; ``_asleep``: weight id -> (name, weight, tensors)). Where the steps read packed
+copies (CPU, ``pack_weights``) such a weight stays held quantized after `wake_up`: its packed copy is built from
+its dequantized values, one weight at a time, and an adapter fold dequantizes it for the fold alone; its plain
+copy comes back, dequantized, only for what reads the plain values (`named_weights`, an update, `score` while
+asleep), and on other devices at `wake_up`. A merged LoRA engine kept a plain float32 copy of every targeted
+weight (the base its fold starts from); a QLoRA engine now holds its base in the format's bits throughout.
 
 `share_weights` (a colocated LoRA run, `tandem.sync.inprocess.share_frozen_base`): the engine holds the trainer's
 frozen base tensors as its weights (``_shared``: their ids) instead of its own copies, after checking they are
@@ -54,10 +56,12 @@ __all__ = ["AsleepQuantizedWeight", "WeightMethods"]
 
 
 class AsleepQuantizedWeight(PackedOnlyWeight):
-    """A weight stored quantized while the engine sleeps (its values: ``dequantize_tensor`` of the engine's
-    record); shape and dtype answer, every other operation raises until the engine gives it back."""
+    """A weight stored quantized since the engine slept (its values: ``dequantize_tensor`` of the engine's
+    record, and, awake, its packed copy); shape and dtype answer, `fast_linear` runs its packed copy, every
+    other operation raises until the engine gives it back."""
 
-    refusal = "a weight the sleeping engine holds quantized: wake_up() (or named_weights()) gives its values back"
+    refusal = ("a weight the engine holds quantized (its values: its packed copy, or its quantized tensors while "
+               "asleep): named_weights() gives its values back")
 
 
 class _UnpackOnRead(Mapping):
