@@ -29,6 +29,8 @@ def configure(p: argparse.ArgumentParser) -> None:
     wl.add_argument("--prompts", type=int, default=64, help="prompts per step (default 64)")
     wl.add_argument("--samples", type=int, default=8, help="samples per prompt (default 8)")
     wl.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA rank (default 0: full fine-tuning)")
+    wl.add_argument("--quantize-base", choices=["fp8_block", "mxfp8", "int4_sym", "int4_asym"],
+                    help="QLoRA (with --lora): the frozen base's linear weights held in this format")
     wl.add_argument("--mode", choices=["sync", "one_step_off", "fully_async"], default="sync")
     wl.add_argument("--precision", choices=["bf16", "fp8", "int4"], default="bf16", help="rollout weights")
     wl.add_argument("--ref", action="store_true", help="keep a frozen reference model (KL)")
@@ -89,7 +91,8 @@ def _inputs(args):
     gpus = args.gpus or args.nodes * dev.gpus_per_node
     arch = resolve_arch(args.model)
     wl = Workload(prompt_len=args.prompt_len, response_len=args.response_len, prompts=args.prompts,
-                  samples=args.samples, lora_rank=args.lora, mode=args.mode, precision=args.precision, ref=args.ref)
+                  samples=args.samples, lora_rank=args.lora, mode=args.mode, precision=args.precision, ref=args.ref,
+                  quantize_base=args.quantize_base or "")
     if wl.seq_len > arch.max_position:
         raise ValueError(f"--prompt-len + --response-len = {wl.seq_len} exceeds the model's context "
                          f"({arch.max_position} tokens)")
@@ -174,6 +177,7 @@ def recipe_header(args: argparse.Namespace, result, gpus: int) -> str:
     nodes = -(-gpus // dev.gpus_per_node)
     where = "processes on this CPU" if dev.is_cpu else f"x {dev.name} ({dev.memory_gib:g} GiB)"
     tuning = f"LoRA rank {wl.lora_rank}" if wl.lora_rank else "full fine-tuning"
+    tuning += f" on a {wl.quantize_base} base (QLoRA)" if wl.quantize_base else ""
     return (f"# planned for: {gpus} {where}, {nodes} node{'s' * (nodes > 1)}; prompt {wl.prompt_len} + response "
             f"{wl.response_len} tokens; {wl.prompts} prompts x {wl.samples} samples per step; {tuning}; {wl.mode}; "
             f"{wl.precision} rollouts\n"

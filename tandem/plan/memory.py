@@ -5,7 +5,9 @@ Assumptions (docs/plan.md has the derivations and the CPU calibration):
 * FSDP2 (Tandem's engine): fp32 master weights, fp32 gradients and AdamW's two fp32 moments, sharded over
   the data-parallel ranks (16 B/param / dp; HSDP: / the shard group); with more than one rank the gathered root group (embeddings)
   and two gathered decoder layers in the compute dtype, and the root group's unsharded gradient. LoRA: the
-  frozen base in the compute dtype, sharded; adapters at 16 B/param. `offload`: FSDP2's CPUOffloadPolicy
+  frozen base in the compute dtype, sharded; adapters at 16 B/param. QLoRA (`Workload.quantize_base`): the
+  targeted linear weights of the base held quantized (`BASE_BYTES` per weight, `quantized_base_params`), not
+  sharded (FSDP does not shard the buffers that hold them), one layer's weight dequantized at a time. `offload`: FSDP2's CPUOffloadPolicy
   keeps the sharded state on the host.
 * Megatron: bf16 weights, fp32 main gradients (6 B/param on the GPU, split by TP x PP, experts by EP x ETP x
   PP) and the fp32 master + Adam moments (12 B/param) sharded over the data-parallel group (distributed
@@ -31,8 +33,8 @@ from dataclasses import dataclass, field, replace
 from tandem.plan.archs import Arch
 from tandem.plan.hardware import GIB, Device
 
-__all__ = ["InferenceLayout", "TrainerLayout", "Workload", "host_bytes", "inference_memory", "kv_budget",
-           "trainer_memory"]
+__all__ = ["BASE_BYTES", "InferenceLayout", "TrainerLayout", "Workload", "host_bytes", "inference_memory",
+           "kv_budget", "quantized_base_params", "trainer_memory"]
 
 GPU_TRAINER_OVERHEAD = 3.0 * GIB  # CUDA context, NCCL buffers, allocator slack
 GPU_ENGINE_OVERHEAD = 4.0 * GIB  # vLLM / SGLang CUDA graphs, activations, communication buffers
@@ -40,6 +42,10 @@ GPU_ASLEEP_RESIDUAL = 1.5 * GIB  # what a sleeping side keeps on the GPU (contex
 CPU_PROCESS_BASE = 0.5 * GIB  # python + torch + transformers + tokenizer before the engines: measured 0.45 GiB in a
 # long-used venv and ~0.55 GiB in a fresh one with the same packages (`make test` in a fresh clone; cause not found)
 LOGPROB_CHUNK = 1024  # FSDPConfig.logprob_chunk default
+# bytes per weight of a QLoRA base (`tandem.kernels` formats, default block/group sizes, on a 1536 x 576 weight):
+# FP8 codes + one fp32 scale per 128 x 128 block; MXFP8 + one e8m0 scale per 32; INT4 two per byte + an fp32 scale
+# (and a uint8 zero point for asym) per group of 128 of a row
+BASE_BYTES = {"fp8_block": 1.0003, "mxfp8": 1.03125, "int4_sym": 0.535, "int4_asym": 0.543}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,6 +58,14 @@ class Workload:
     mode: str = "sync"  # sync | one_step_off | fully_async
     precision: str = "bf16"  # rollout weights: bf16 | fp8 | int4
     ref: bool = False  # a frozen reference model for KL
+    quantize_base: str = ""  # QLoRA: the base's linear weights in this format (BASE_BYTES); "": the compute dtype
+
+    def __post_init__(self) -> None:
+        if self.quantize_base and self.quantize_base not in BASE_BYTES:
+            raise ValueError(f"quantize_base={self.quantize_base!r} is not one of {', '.join(BASE_BYTES)}")
+        if self.quantize_base and not self.lora_rank:
+            raise ValueError(f"quantize_base={self.quantize_base!r} needs a LoRA rank: it quantizes the frozen base of "
+                             "a LoRA run (full fine-tuning trains every weight)")
 
     @property
     def seq_len(self) -> int:
@@ -112,6 +126,19 @@ def lora_params(arch: Arch, rank: int) -> int:
     return arch.layers * per_layer
 
 
+def quantized_base_params(arch: Arch) -> int:
+    """Weights a QLoRA base holds quantized: the `nn.Linear` layers `tandem.kernels.DEFAULT_TARGETS` names (q, k,
+    v, o and the dense and shared MLPs; MLA: o_proj, and q_proj without a q LoRA). Routed experts stay in the
+    compute dtype (transformers holds them fused, not as linear layers), as do embeddings, norms and routers."""
+    h, mlp_dense = arch.hidden, arch.first_dense if arch.moe else arch.layers
+    if arch.mla:
+        attn = arch.heads * arch.v_head_dim * h + (0 if arch.q_lora_rank else
+                                                   h * arch.heads * (arch.qk_nope_dim + arch.qk_rope_dim))
+    else:
+        attn = arch.attention_params()
+    return arch.layers * attn + mlp_dense * 3 * h * arch.intermediate + arch.moe_layers * 3 * h * arch.shared_intermediate
+
+
 def _tokens_per_rank(wl: Workload, dp: int) -> int:
     return max(wl.seq_len, -(-wl.sequences * wl.seq_len // dp))
 
@@ -147,23 +174,35 @@ def _logprob_buffers(arch: Arch, wl: Workload, lay: TrainerLayout, tokens: float
     return rows * arch.vocab * 4 * 3 + 2 * arch.vocab * arch.hidden * 4
 
 
+def _largest_quantized(arch: Arch) -> int:
+    """Elements of the largest quantized linear weight (what one dequantization materialises)."""
+    mlp = max(arch.intermediate if (not arch.moe or arch.first_dense) else 0, arch.shared_intermediate)
+    return arch.hidden * max(mlp, arch.heads * max(arch.head_dim, arch.v_head_dim))
+
+
 def _fsdp_state(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> dict[str, float]:
     p, b, dp = arch.total_params(), _dtype_bytes(dev), lay.shard
     items: dict[str, float] = {}
     if wl.lora_rank:
         lp = lora_params(arch, wl.lora_rank)
-        items["weights"] = p * b / dp + lp * 4 / dp
+        q = quantized_base_params(arch) if wl.quantize_base else 0
+        items["weights"] = (p - q) * b / dp + lp * 4 / dp
+        if q:  # held by every rank, one layer's weight dequantized at a time (forward, and again in backward)
+            items["quantized_base"] = q * BASE_BYTES[wl.quantize_base]
+            items["dequantized"] = _largest_quantized(arch) * b
         items["gradients"] = lp * 4 / dp
         items["optimizer"] = lp * 8 / dp
     else:
         items["weights"] = p * 4 / dp
         items["gradients"] = p * 4 / dp
         items["optimizer"] = p * 8 / dp
-    if lay.offload and not dev.is_cpu:
-        items = {k: 0.0 for k in items}
+    if lay.offload and not dev.is_cpu:  # a QLoRA base's buffers are not in the offloaded (sharded) state
+        items = {k: (v if k in ("quantized_base", "dequantized") else 0.0) for k, v in items.items()}
     if dp > 1:
         layer = (arch.total_params() - arch.embedding_params()) / arch.layers
         root = arch.embedding_params()
+        if wl.quantize_base:  # the quantized weights are not sharded, so not gathered
+            layer -= quantized_base_params(arch) / arch.layers
         items["gathered"] = (root + 2 * layer) * b + (0 if wl.lora_rank else root * 4)
     if wl.ref and not wl.lora_rank:
         items["reference"] = p * b / dp

@@ -80,7 +80,8 @@ class Plan:
                 "engine": t.engine, "tp": t.tp, "pp": t.pp, "cp": t.cp, "ep": t.ep, "etp": t.etp, "dp": t.dp,
                 "offload": t.offload, "activation_checkpointing": t.activation_checkpointing,
                 "micro_batch_tokens": t.micro_batch_tokens, "sequence_parallel": t.engine == "megatron" and t.tp > 1,
-                "hsdp_replicate": t.replicate},
+                "hsdp_replicate": t.replicate, "lora_rank": self.workload.lora_rank,
+                "quantize_base": self.workload.quantize_base or None},
             "inference": None if i is None else {
                 "engine": i.engine, "tp": i.tp, "ep": i.ep, "replicas": i.replicas, "gpus": i.gpus,
                 "mem_fraction": round(i.mem_fraction, 3), "max_concurrent_sequences": self.concurrency,
@@ -116,7 +117,7 @@ def _static(items: dict[str, float]) -> float:
 
 def _engine_asleep(iitems: dict[str, float], wl: Workload, gpus: int) -> float:
     """What an embedded engine on a CPU holds while the trainer in its process steps. A LoRA run in one process
-    (the adapter-only sync the planner's recipes write) keeps one base: the engine holds the trainer's frozen
+    (the adapter-only sync the planner's recipes write; QLoRA too) keeps one base: the engine holds the trainer's frozen
     tensors (`tandem.sync.inprocess.share_frozen_base`; its ``weights`` item becomes 0) and, asleep, frees
     the packed copies it rebuilds from them at wake-up."""
     if wl.lora_rank and gpus == 1:
@@ -292,7 +293,9 @@ def _disaggregated(arch, dev, wl, gpus) -> Plan | None:
 def _explain(p: Plan) -> None:
     t, i, a = p.trainer, p.inference, p.arch
     if t.engine == "fsdp":
-        p.why.append("trainer fsdp: " + ("LoRA trains on FSDP only" if p.workload.lora_rank else
+        p.why.append("trainer fsdp: " + ("LoRA trains on FSDP only" + (
+                     f", its frozen base's linear weights in {p.workload.quantize_base} on every rank (QLoRA)"
+                     if p.workload.quantize_base else "") if p.workload.lora_rank else
                      "the sharded state fits without model parallelism" if not t.offload else
                      "fits only with the sharded state offloaded to host memory"))
         if t.replicate > 1:
@@ -363,6 +366,9 @@ def _knobs(arch, dev, wl, gpus, min_gpus) -> list[str]:
         knobs.append(f"--gpus {min_gpus} (fits on {min_gpus} x {dev.name})")
     if not wl.lora_rank and plan(arch, dev, replace(wl, lora_rank=16), gpus, search_min=False).fits:
         knobs.append("--lora 16 (LoRA keeps the base frozen and sharded)")
+    elif wl.lora_rank and not wl.quantize_base and plan(arch, dev, replace(wl, quantize_base="fp8_block"), gpus,
+                                                        search_min=False).fits:
+        knobs.append("--quantize-base fp8_block (QLoRA: the frozen base's linear weights in FP8)")
     for r in (wl.response_len // 2, wl.response_len // 4):
         if r >= 1 and plan(arch, dev, replace(wl, response_len=r), gpus, search_min=False).fits:
             knobs.append(f"--response-len {r}")
@@ -370,7 +376,8 @@ def _knobs(arch, dev, wl, gpus, min_gpus) -> list[str]:
     if wl.precision == "bf16" and not dev.is_cpu and plan(arch, dev, replace(wl, precision="fp8"), gpus,
                                                            search_min=False).fits:
         knobs.append("--precision fp8 (rollout weights in FP8)")
-    return knobs or ["none of --lora 16, a shorter response or FP8 rollouts fits: add GPUs"]
+    return knobs or ["none of --lora 16 (and --quantize-base fp8_block), a shorter response or FP8 rollouts fits: "
+                     "add GPUs"]
 
 
 def check(arch: Arch, dev: Device, wl: Workload, gpus: int, trainer: TrainerLayout, inference: InferenceLayout,

@@ -48,6 +48,8 @@ def _trainer(p: Plan) -> dict[str, Any]:
     if wl.lora_rank:
         fsdp["lora"] = {"rank": wl.lora_rank, "alpha": float(2 * wl.lora_rank),
                         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+        if wl.quantize_base:
+            fsdp["lora"]["quantize_base"] = {"format": wl.quantize_base}
         fsdp["optimizer"] = {"lr": 1.0e-5, "grad_clip": 1.0}
     return {"engine": "fsdp", "fsdp": fsdp}
 

@@ -11,6 +11,12 @@ def _row(label: str, value: str) -> str:
     return f"  {label:<26} {value}"
 
 
+def _tuning(wl) -> str:
+    if not wl.lora_rank:
+        return "full"
+    return f"QLoRA r{wl.lora_rank} ({wl.quantize_base} base)" if wl.quantize_base else f"LoRA r{wl.lora_rank}"
+
+
 def table(p: Plan) -> str:
     j = p.to_json()
     hw, m, t, i = j["hardware"], j["model"], j["trainer"], j["inference"]
@@ -21,7 +27,7 @@ def table(p: Plan) -> str:
                               f"inter-node {hw['internode_gbps']} GB/s)")]
     wl = p.workload
     lines.append(_row("workload", f"{wl.prompts} prompts x {wl.samples} samples, {wl.prompt_len} + {wl.response_len} "
-                                  f"tokens, {f'LoRA r{wl.lora_rank}' if wl.lora_rank else 'full'}, {wl.mode}"))
+                                  f"tokens, {_tuning(wl)}, {wl.mode}"))
     if t:
         par = f"tp {t['tp']} pp {t['pp']} cp {t['cp']} ep {t['ep']} dp {t['dp']}"
         if t["hsdp_replicate"] > 1:

@@ -18,7 +18,7 @@ import math
 
 from tandem.plan.archs import Arch
 from tandem.plan.hardware import Device
-from tandem.plan.memory import InferenceLayout, TrainerLayout, Workload, kv_budget
+from tandem.plan.memory import InferenceLayout, TrainerLayout, Workload, kv_budget, quantized_base_params
 
 __all__ = ["EFFICIENCY", "fsdp_comm_time", "rollout_time", "sync_time", "train_time"]
 
@@ -59,13 +59,15 @@ def fsdp_comm_time(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) ->
     """Seconds of FSDP collectives per step on one rank: per micro-batch an all-gather of the weights for the
     old-log-prob forward, the forward and the backward (compute dtype) and a reduce-scatter of fp32 gradients
     (none for a frozen LoRA base), over the shard group's link (NVLink within a node, the NIC beyond); HSDP adds
-    one cross-node all-reduce of the gradient shard."""
+    one cross-node all-reduce of the gradient shard. A QLoRA base's quantized weights are on every rank: not
+    gathered."""
     if lay.engine != "fsdp" or lay.shard <= 1 or dev.is_cpu:
         return 0.0
     p = arch.total_params()
     tokens_per_rank = max(wl.seq_len, wl.sequences * wl.seq_len / lay.dp)
     micro = math.ceil(tokens_per_rank / lay.micro_batch_tokens)
-    per_micro = p * 2 * 3 + (0 if wl.lora_rank else p * 4)
+    gathered = p - (quantized_base_params(arch) if wl.quantize_base else 0)
+    per_micro = gathered * 2 * 3 + (0 if wl.lora_rank else p * 4)
     frac = (lay.shard - 1) / lay.shard
     gbps = dev.link_gbps if lay.shard <= dev.gpus_per_node else dev.internode_gbps
     t = micro * per_micro * frac / (gbps * 1e9)
