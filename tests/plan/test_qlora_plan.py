@@ -15,7 +15,14 @@ import yaml
 from tandem.config import load_config
 from tandem.plan.archs import resolve_arch
 from tandem.plan.hardware import GIB, device
-from tandem.plan.memory import BASE_BYTES, TrainerLayout, Workload, quantized_base_params, trainer_memory
+from tandem.plan.memory import (
+    BASE_BYTES,
+    TrainerLayout,
+    Workload,
+    lora_params,
+    quantized_base_params,
+    trainer_memory,
+)
 from tandem.plan.planner import plan
 from tandem.plan.recipe import recipe_dict
 from tandem.runtime.config import RunConfig
@@ -119,3 +126,22 @@ def test_smollm2_qlora_recipe_against_bench_lora(capsys):
     saved = (memory["addition-grpo-lora.yaml"]["memory_gib_per_gpu"]["trainer"] - qlora["memory_gib_per_gpu"]["trainer"])
     # the FP8 base saves 3 of the 4 bytes of every quantized weight: 106M of SmolLM2's 134.5M
     assert saved * GIB == pytest.approx(quantized_base_params(resolve_arch("smollm2-135m-instruct")) * 3, rel=0.05)
+
+
+def test_a_planned_qlora_recipe_trains_two_steps(tmp_path):
+    from tandem.cli import main
+
+    wl = Workload(prompt_len=128, response_len=16, prompts=2, samples=4, lora_rank=8, quantize_base="int4_sym")
+    p = plan(resolve_arch("tiny-qwen3"), device("cpu"), wl, 1)
+    assert p.fits, p.reason
+    recipe = recipe_dict(p, "tiny-qwen3", steps=2)
+    assert recipe["sync"] == {"lora_mode": "adapter"}
+    recipe["tracking"] = {"progress": False}
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    assert main(["train", str(path), "--run-dir", str(tmp_path / "run"), "--quiet"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "train/loss" in r]) == 2
+    synced = [r["sync/bytes"] for r in rows if r.get("sync/bytes")]
+    arch = resolve_arch("tiny-qwen3")
+    assert synced and max(synced) == lora_params(arch, 8) * 4 < arch.total_params()  # fp32 adapters only
