@@ -32,6 +32,7 @@ class Device:
     internode_gbps: float = 50.0  # per GPU, one 400 Gb/s NIC
     gpus_per_node: int = 8
     host_memory_gib: float = 1800.0  # per node, for CPU offload
+    host_link_gbps: float = 64.0  # GPU <-> host per GPU per direction (PCIe Gen5 x16; Gen4 x16: 32), for offload
     fp8: bool = True
     source: str = ""
 
@@ -44,12 +45,15 @@ DEVICES: dict[str, Device] = {d.name: d for d in [
     Device("H100", 79.6, 3350, 989, 450, source="NVIDIA H100 SXM5 data sheet (80 GB HBM3, NVLink 4 900 GB/s)"),
     Device("H200", 139.8, 4800, 989, 450, source="NVIDIA H200 SXM data sheet (141 GB HBM3e, NVLink 4)"),
     Device("B200", 178.4, 8000, 2250, 900, source="NVIDIA B200 (HGX) data sheet (180 GB HBM3e, NVLink 5)"),
-    Device("A100", 79.2, 2039, 312, 300, fp8=False, source="NVIDIA A100 SXM4 80GB data sheet (NVLink 3)"),
-    Device("A100-40GB", 39.4, 1555, 312, 300, fp8=False, source="NVIDIA A100 SXM4 40GB data sheet"),
+    Device("A100", 79.2, 2039, 312, 300, fp8=False, host_link_gbps=32.0,
+           source="NVIDIA A100 SXM4 80GB data sheet (NVLink 3, PCIe Gen4)"),
+    Device("A100-40GB", 39.4, 1555, 312, 300, fp8=False, host_link_gbps=32.0,
+           source="NVIDIA A100 SXM4 40GB data sheet (PCIe Gen4)"),
     Device("H20", 95.0, 4000, 148, 450, source="NVIDIA H20 (96 GB HBM3, 148 TFLOPS bf16)"),
-    Device("L40S", 44.4, 864, 362, 32, internode_gbps=25.0,
+    Device("L40S", 44.4, 864, 362, 32, internode_gbps=25.0, host_link_gbps=32.0,
            source="NVIDIA L40S data sheet (48 GB GDDR6, PCIe Gen4 x16, no NVLink)"),
     Device("RTX4090", 23.6, 1008, 165, 32, internode_gbps=12.5, gpus_per_node=1, host_memory_gib=128.0, fp8=False,
+           host_link_gbps=32.0,
            source="NVIDIA GeForce RTX 4090 (24 GB GDDR6X, 165 TFLOPS bf16 with fp32 accumulate, PCIe)"),
     Device("MI300X", 191.5, 5300, 1307, 64 * 7, source="AMD Instinct MI300X data sheet (192 GB HBM3, 7 x 64 GB/s xGMI)"),
     Device("cpu", 23.0, 17.0, 0.384, 16.6, internode_gbps=2.65, gpus_per_node=1, host_memory_gib=0.0, fp8=False,

@@ -191,13 +191,22 @@ def _trainer_order(arch: Arch, dev: Device, gpus: int, wl: Workload):
 
 
 def _choose_trainer(arch, dev, gpus, wl, budget) -> tuple[TrainerLayout | None, dict[str, float]]:
-    best = None
+    """The first layout in `_trainer_order` that fits; in a group of offloaded layouts of one engine (each paying
+    host copies per micro-batch, fewer with larger micro-batches) the fastest that fits."""
+    best, offloaded = None, []
     for lay in _trainer_order(arch, dev, gpus, wl):
+        if offloaded and (lay.engine, lay.offload) != (offloaded[0][1].engine, True):
+            break  # the group that fitted is done
         items = trainer_memory(arch, dev, wl, lay)
         if _total(items) <= budget and _host_ok(arch, dev, wl, lay):
-            return lay, items
+            if not lay.offload:
+                return lay, items
+            offloaded.append((train_time(arch, dev, wl, lay, gpus), lay, items))
         if best is None or _total(items) < _total(best[1]):
             best = (lay, items)
+    if offloaded:
+        _, lay, items = min(offloaded, key=lambda c: c[0])
+        return lay, items
     return None, best[1] if best else {}
 
 

@@ -10,22 +10,37 @@ assumptions (GPU) or calibrations against measured runs (CPU), listed in docs/pl
   per-step overhead. Every sample is assumed to run to the maximum response length (RL steps wait for the
   longest sample), in waves of at most the concurrency the KV budget allows.
 * Sync: the model in bf16 (fp32 on a CPU) by the transport the written recipe uses (`sync_time`).
+* Offload (`offload_time`): FSDP2's CPUOffloadPolicy copies a rank's weight shard to the GPU for each gathering
+  pass of each micro-batch (old-log-prob forward, forward, backward) and its gradient shard back, at
+  ``host_link`` x the PCIe figure, overlapped with compute like the collectives; the optimizer then steps on the
+  host, not overlapped: AdamW reads and writes ~28 B per trainable parameter at an assumed ``host_adam_gbps``
+  per GPU. Megatron's optimizer offload moves the gradient and parameter shards once a step.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from tandem.plan.archs import Arch
 from tandem.plan.hardware import Device
-from tandem.plan.memory import InferenceLayout, TrainerLayout, Workload, kv_budget, quantized_base_params
+from tandem.plan.memory import (
+    InferenceLayout,
+    TrainerLayout,
+    Workload,
+    kv_budget,
+    quantized_base_params,
+    trainer_memory,
+)
 
-__all__ = ["EFFICIENCY", "fsdp_comm_time", "rollout_time", "sync_time", "train_time"]
+__all__ = ["EFFICIENCY", "fsdp_comm_time", "offload_time", "rollout_time", "sync_time", "train_time"]
+
+ADAM_BYTES = 28  # AdamW on the host: reads parameter, gradient and two moments (fp32), writes three
 
 # fraction of the data-sheet figure reached (GPU: assumptions; CPU: calibrated, docs/plan.md)
 EFFICIENCY = {
     "gpu": {"train_mfu_dense": 0.35, "train_mfu_moe": 0.2, "prefill_mfu": 0.5, "decode_bw": 0.7,
-            "decode_step_overhead_s": 0.004},
+            "decode_step_overhead_s": 0.004, "host_link": 0.8, "host_adam_gbps": 20.0},
     "cpu": {"train_mfu_dense": 0.6, "train_mfu_moe": 0.3, "prefill_mfu": 0.85, "decode_bw": 1.0,
             "decode_step_overhead_s": 0.010},
 }
@@ -52,7 +67,26 @@ def train_time(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout, gpus: 
     mfu = _eff(dev)["train_mfu_moe" if arch.moe else "train_mfu_dense"]
     bubble = 1.0 + (lay.pp - 1) / max(1, 4 * lay.pp)  # 1F1B with ~4 micro-batches per stage
     compute = flops / (gpus * dev.bf16_tflops * 1e12 * mfu) * bubble
-    return max(compute, fsdp_comm_time(arch, dev, wl, lay))  # FSDP prefetch overlaps its collectives
+    transfers, host_step = offload_time(arch, dev, wl, lay)
+    return max(compute, fsdp_comm_time(arch, dev, wl, lay) + transfers) + host_step  # prefetch overlaps transfers
+
+
+def offload_time(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> tuple[float, float]:
+    """(seconds of host <-> GPU copies a step, seconds of the optimizer step on the host) on one rank; (0, 0)
+    without offload. The bytes are the memory model's: the state `host_bytes` counts as offloaded."""
+    if not lay.offload or dev.is_cpu:
+        return 0.0, 0.0
+    eff = _eff(dev)
+    state = trainer_memory(arch, dev, wl, replace(lay, offload=False))  # the layout's state, as if on the GPU
+    link = dev.host_link_gbps * 1e9 * eff["host_link"]
+    if lay.engine == "megatron":  # the optimizer's shard: fp32 gradients down, bf16 parameters up, once a step
+        shard = state["optimizer"] / 12
+        return shard * (4 + 2) / link, shard * ADAM_BYTES / (eff["host_adam_gbps"] * 1e9)
+    tokens_per_rank = max(wl.seq_len, wl.sequences * wl.seq_len / lay.dp)
+    micro = math.ceil(tokens_per_rank / lay.micro_batch_tokens)
+    per_micro = 3 * state["weights"] + state["gradients"]
+    trainable = state["optimizer"] / 8
+    return micro * per_micro / link, trainable * ADAM_BYTES / (eff["host_adam_gbps"] * 1e9)
 
 
 def fsdp_comm_time(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> float:

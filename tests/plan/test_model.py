@@ -224,3 +224,27 @@ def test_cli_check_plans_a_cpu_recipe_for_the_cpu(capsys):
         main(["plan", "--check", "--recipe", str(recipes / name), *flags])
         line = next(s for s in capsys.readouterr().out.splitlines() if s.strip().startswith("hardware"))
         assert hardware in line, (recipe, line)
+
+
+def test_offload_pays_host_copies_per_micro_batch_and_a_host_optimizer_step():
+    from dataclasses import replace
+
+    from tandem.plan.timing import offload_time, train_time
+
+    arch, dev = resolve_arch("meta-llama/Llama-3.1-70B-Instruct"), device("H200")
+    wl = Workload(prompt_len=512, response_len=1024, prompts=4, samples=4, lora_rank=16)
+    lay = TrainerLayout(gpus=1, offload=True, activation_checkpointing=True, micro_batch_tokens=16384)
+    copies, host_step = offload_time(arch, dev, wl, lay)
+    base = arch.total_params() * 2  # the frozen bf16 base: up for the old-log-prob forward, forward and backward
+    # of each of the 2 micro-batches (16 sequences x 1536 tokens in micro-batches of 16384)
+    assert copies == pytest.approx(2 * 3 * base / (dev.host_link_gbps * 1e9 * 0.8), rel=0.01)
+    assert 0 < host_step < 1  # AdamW over the adapters only
+    assert offload_time(arch, dev, wl, replace(lay, offload=False)) == (0.0, 0.0)
+    small = replace(lay, micro_batch_tokens=1536)  # 16 micro-batches: 8 times the copies
+    assert offload_time(arch, dev, wl, small)[0] == pytest.approx(8 * copies)
+    assert train_time(arch, dev, wl, small, 1) > train_time(arch, dev, wl, replace(small, offload=False), 1)
+    # the planner takes the fastest offloaded layout that fits, not the first: ckpt with one large micro-batch
+    p = plan(arch, replace(dev, host_memory_gib=1800.0), replace(wl, precision="fp8"), 1)
+    assert p.fits and p.trainer.offload and p.trainer.micro_batch_tokens == 16384, p.trainer
+    full = Workload(prompt_len=512, response_len=1024, prompts=4, samples=4)
+    assert offload_time(arch, dev, full, lay)[1] == pytest.approx(arch.total_params() * 28 / 20e9, rel=0.01)
