@@ -175,11 +175,11 @@ def recipe_header(args: argparse.Namespace, result, gpus: int) -> str:
     that writes it again, and the planner's verdict."""
     dev, wl = result.device, result.workload
     nodes = -(-gpus // dev.gpus_per_node)
-    where = "processes on this CPU" if dev.is_cpu else f"x {dev.name} ({dev.memory_gib:g} GiB)"
+    where = f"process{'es' * (gpus > 1)} on this CPU" if dev.is_cpu else f"x {dev.name} ({dev.memory_gib:g} GiB)"
     tuning = f"LoRA rank {wl.lora_rank}" if wl.lora_rank else "full fine-tuning"
     tuning += f" on a {wl.quantize_base} base (QLoRA)" if wl.quantize_base else ""
     return (f"# planned for: {gpus} {where}, {nodes} node{'s' * (nodes > 1)}; prompt {wl.prompt_len} + response "
             f"{wl.response_len} tokens; {wl.prompts} prompts x {wl.samples} samples per step; {tuning}; {wl.mode}; "
-            f"{wl.precision} rollouts\n"
+            f"{'fp32 (CPU)' if dev.is_cpu else wl.precision} rollouts\n"
             f"# regenerate: {command_line(args, gpus)}\n"
             f"# {result.reason}\n")
