@@ -92,7 +92,7 @@ def _inputs(args):
     arch = resolve_arch(args.model)
     wl = Workload(prompt_len=args.prompt_len, response_len=args.response_len, prompts=args.prompts,
                   samples=args.samples, lora_rank=args.lora, mode=args.mode, precision=args.precision, ref=args.ref,
-                  quantize_base=args.quantize_base or "")
+                  quantize_base=args.quantize_base or "", shared_base=getattr(args, "shared_base", True))
     if wl.seq_len > arch.max_position:
         raise ValueError(f"--prompt-len + --response-len = {wl.seq_len} exceeds the model's context "
                          f"({arch.max_position} tokens)")

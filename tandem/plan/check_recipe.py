@@ -39,6 +39,8 @@ def apply_recipe(args: argparse.Namespace) -> None:
             args.activation_checkpointing = tr.parallel.activation_checkpointing
             args.offload = tr.parallel.cpu_offload
             args.lora = tr.lora.rank if tr.lora is not None else 0
+            args.shared_base = (cfg.runtime.placement == "colocated" and cfg.sync.lora_mode == "adapter"
+                                and cfg.sync.share_frozen_base)  # as the run decides (runtime/loop.py)
             quant = tr.lora.quantize_base if tr.lora is not None else None
             args.quantize_base = quant.format if quant is not None else None
             args.hsdp_replicate = tr.parallel.replicate

@@ -59,6 +59,9 @@ class Workload:
     precision: str = "bf16"  # rollout weights: bf16 | fp8 | int4
     ref: bool = False  # a frozen reference model for KL
     quantize_base: str = ""  # QLoRA: the base's linear weights in this format (BASE_BYTES); "": the compute dtype
+    # LoRA in one CPU process: the engine serves the trainer's frozen tensors (colocated, sync.lora_mode adapter,
+    # sync.share_frozen_base: what the planner's recipes write); False: it holds its own copy of the base
+    shared_base: bool = True
 
     def __post_init__(self) -> None:
         if self.quantize_base and self.quantize_base not in BASE_BYTES:

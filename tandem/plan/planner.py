@@ -119,8 +119,9 @@ def _engine_asleep(iitems: dict[str, float], wl: Workload, gpus: int) -> float:
     """What an embedded engine on a CPU holds while the trainer in its process steps. A LoRA run in one process
     (the adapter-only sync the planner's recipes write; QLoRA too) keeps one base: the engine holds the trainer's frozen
     tensors (`tandem.sync.inprocess.share_frozen_base`; its ``weights`` item becomes 0) and, asleep, frees
-    the packed copies it rebuilds from them at wake-up."""
-    if wl.lora_rank and gpus == 1:
+    the packed copies it rebuilds from them at wake-up. A recipe that does not share (merged sync, separate
+    placement, ``share_frozen_base: false``; `Workload.shared_base`) keeps the engine's own copy."""
+    if wl.lora_rank and wl.shared_base and gpus == 1:
         iitems["weights"] = 0.0
         return _static(iitems) - iitems.get("packed_weights", 0.0)
     return _static(iitems)

@@ -145,3 +145,23 @@ def test_a_planned_qlora_recipe_trains_two_steps(tmp_path):
     synced = [r["sync/bytes"] for r in rows if r.get("sync/bytes")]
     arch = resolve_arch("tiny-qwen3")
     assert synced and max(synced) == lora_params(arch, 8) * 4 < arch.total_params()  # fp32 adapters only
+
+
+@pytest.mark.parametrize("change", [{"sync": {"lora_mode": "merged"}}, {"sync": {"lora_mode": "adapter",
+                                                                                 "share_frozen_base": False}}])
+def test_a_lora_recipe_that_does_not_share_its_base_is_planned_with_the_engines_copy(tmp_path, capsys, change):
+    # the run shares the frozen base only when colocated with adapter-only sync and share_frozen_base (loop.py)
+    from tandem.cli import main
+
+    recipe = yaml.safe_load((RECIPES / "addition-grpo-lora.yaml").read_text())
+    recipe.update(change)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    planned = {}
+    for name, p in (("shared", RECIPES / "addition-grpo-lora.yaml"), ("own", path)):
+        assert main(["plan", "--check", "--recipe", str(p), "--json"]) == 0
+        planned[name] = json.loads(capsys.readouterr().out)["memory_gib_per_gpu"]
+    assert planned["shared"]["inference_items"]["weights"] == 0.0
+    own = planned["own"]["inference_items"]["weights"]
+    assert own > 0.1  # the embedding and vocabulary projection it keeps plain (its packed copies are counted apart)
+    assert planned["own"]["trainer"] > planned["shared"]["trainer"] + own
