@@ -45,16 +45,29 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CAN_PACK", "PackedOnlyWeight", "PackedWeights", "copy_and_repack", "drop_plain", "fast_linear",
+__all__ = ["CAN_PACK", "ONEDNN_BF16", "PackedOnlyWeight", "PackedWeights", "copy_and_repack", "drop_plain", "fast_linear",
            "fast_linear_mode", "fast_linear_scope", "install_fast_linears", "linear", "ScopedLinear", "pack_into",
            "pack_weight", "pack_weights", "packed_like", "packs_in_place", "repack", "restore_plain",
            "uses_onednn"]
 
 log = logging.getLogger(__name__)
 
-_ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 _HAS_ONEDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 CAN_PACK = _HAS_ONEDNN and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def _onednn_bf16() -> bool:
+    """Whether oneDNN runs bfloat16 linears on this CPU: it needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT; on
+    an AVX2-only CPU (many AMD EPYC / Ryzen and laptop parts) its bf16 reorder and inner product refuse."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    try:
+        return bool(_HAS_ONEDNN and check is not None and check())
+    except RuntimeError:
+        return False
+
+
+ONEDNN_BF16 = _onednn_bf16()  # False: bfloat16 linears take F.linear and are never packed (float32 still are)
+_ONEDNN_DTYPES = (torch.float32, torch.bfloat16) if ONEDNN_BF16 else (torch.float32,)
 
 PackedWeights = Mapping[int, torch.Tensor]  # id(weight parameter) -> its oneDNN-packed copy
 

@@ -9,13 +9,15 @@ import torch
 import torch.nn.functional as F
 
 from tandem.ops import native
-from tandem.ops.linear import CAN_PACK, PackedOnlyWeight
+from tandem.ops.linear import CAN_PACK, ONEDNN_BF16, PackedOnlyWeight
 from tests.engines.torch_helpers import make_engine, prompts, requests
 
 pytestmark = pytest.mark.skipif(not CAN_PACK or native.load("pack") is None,
                                 reason="no oneDNN packing or no C compiler: nothing is packed in place")
 
 SAMPLED = dict(temperature=0.9, max_new_tokens=12, seed=4)
+needs_bf16 = pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN has no bfloat16 linears on this CPU (AVX2 only): "
+                                                        "bf16 weights are not packed (test_an_avx2_cpu_...)")
 
 
 def _outputs(engine, ps):
@@ -27,7 +29,7 @@ def _dropped(engine) -> list[str]:
     return [n for n, p in engine.model.named_parameters() if type(p) is PackedOnlyWeight]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16)])
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_packed_only_engine_generates_and_syncs_exactly_as_one_keeping_both_copies(dtype, deterministic):
     ps = prompts([6, 19, 11], seed=8)
@@ -61,6 +63,7 @@ def test_packed_only_engine_generates_and_syncs_exactly_as_one_keeping_both_copi
         assert all(torch.equal(lean.named_weights()[n], t) for n, t in weights.items())
 
 
+@needs_bf16
 def test_a_float32_sync_lands_in_a_packed_only_bfloat16_engine():
     with make_engine(dtype="bfloat16") as engine:
         name = "model.layers.1.mlp.up_proj.weight"
@@ -68,6 +71,30 @@ def test_a_float32_sync_lands_in_a_packed_only_bfloat16_engine():
         value = torch.randn(128, 64)
         engine.update_weights([(name, value)], version=1)
         assert torch.equal(engine.named_weights()[name], value.to(torch.bfloat16))
+
+
+@pytest.mark.skipif(ONEDNN_BF16, reason="this CPU runs oneDNN bfloat16 linears: the bf16 cases above pack")
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_an_avx2_cpu_serves_bfloat16_from_plain_weights_as_an_engine_keeping_them(deterministic):
+    """Without oneDNN bfloat16 (an AVX2-only CPU) a bf16 engine packs and drops nothing: it runs F.linear on its
+    plain weights, generates exactly as one told to keep them, and takes a sync and a sleep."""
+    ps = prompts([6, 19, 11], seed=8)
+    with make_engine(dtype="bfloat16", deterministic=deterministic) as lean, \
+            make_engine(dtype="bfloat16", deterministic=deterministic, keep_plain_weights=True) as both:
+        assert not lean._packed and not _dropped(lean)
+        assert lean.health()["plain_weight_bytes"] == both.health()["plain_weight_bytes"] > 0
+        assert _outputs(lean, ps) == _outputs(both, ps)
+        g = torch.Generator().manual_seed(3)
+        new = [(n, (t.float() + 0.05 * torch.randn(t.shape, generator=g)).to(t.dtype))
+               for n, t in lean.named_weights().items()]
+        for engine in (lean, both):
+            engine.sleep()
+            engine.update_weights(new, version=1)
+            engine.wake_up()
+        assert _outputs(lean, ps) == _outputs(both, ps)
+        after = lean.named_weights()
+        assert all(torch.equal(after[n], t) for n, t in both.named_weights().items())
+        assert torch.equal(after["model.layers.1.mlp.up_proj.weight"], dict(new)["model.layers.1.mlp.up_proj.weight"])
 
 
 def test_a_packed_only_weight_refuses_every_use_but_its_packed_product():

@@ -7,16 +7,21 @@ import pytest
 import torch
 
 from tandem.ops import linear, native
-from tandem.ops.linear import CAN_PACK, copy_and_repack, pack_into, pack_weight, repack
+from tandem.ops.linear import CAN_PACK, ONEDNN_BF16, copy_and_repack, pack_into, pack_weight, repack
 
 needs_native = pytest.mark.skipif(not CAN_PACK or native.load("pack") is None,
                                   reason="no oneDNN packing or no C compiler: oneDNN's reorder is used")
 SHAPES = [(64, 32), (128, 576), (192, 96), (1536, 576), (64, 512), (128, 2560), (64, 3008)]  # the last two: rows of
 # several 32-tile work items (3008: the last one partial)
+IN_PLACE_EVERYWHERE = {(1536, 576), (128, 576)}  # SmolLM2's MLP and a 128-row projection: in place on AVX-512 and AVX2
+# CPUs alike; oneDNN lays out others by CPU (fp32 192 x 96 on an AVX2-only EPYC), where the probe falls back
+BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    not ONEDNN_BF16, reason="oneDNN has no bfloat16 linears on this CPU (AVX2 only): bf16 weights are not packed"))
+DTYPES = [torch.float32, BF16]
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_in_place_pack_writes_onednn_bytes_into_the_same_tensor(shape, dtype):
     gen = torch.Generator().manual_seed(1)
@@ -26,14 +31,16 @@ def test_in_place_pack_writes_onednn_bytes_into_the_same_tensor(shape, dtype):
     before = packed[id(w)]
     w.copy_(new)
     repack(packed, [w])
-    assert packed[id(w)] is before  # written in place, not a new tensor
+    in_place = linear._IN_PLACE[(shape, dtype, 32)]  # the probe's verdict for this CPU
+    assert in_place or shape not in IN_PLACE_EVERYWHERE
+    assert (packed[id(w)] is before) == in_place  # written in place, not a new tensor (or a new reorder)
     assert torch.equal(linear._raw(packed[id(w)]), linear._raw(pack_weight(new)))
     x = torch.randn(5, shape[1], generator=gen).to(dtype)
     assert torch.equal(linear._onednn(x, packed[id(w)], None), linear._onednn(x, pack_weight(new), None))
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_copy_and_repack_updates_both_copies_in_one_pass(dtype):
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(256, 96, generator=gen).to(dtype)
@@ -53,7 +60,8 @@ def test_copy_and_repack_updates_both_copies_in_one_pass(dtype):
 
 
 @needs_native
-@pytest.mark.parametrize("shape,dtype", [((100, 32), torch.float32), ((64, 8), torch.float32), ((64, 16), torch.bfloat16)])
+@pytest.mark.parametrize("shape,dtype", [((100, 32), torch.float32), ((64, 8), torch.float32),
+                                         pytest.param((64, 16), torch.bfloat16, marks=BF16.marks)])
 def test_shapes_onednn_pads_fall_back_to_a_new_reorder(shape, dtype):
     """oneDNN pads N to 64 and K to 16 (fp32) / 32 (bf16) units: the probe finds the layout differs."""
     w = torch.randn(shape).to(dtype)
@@ -85,7 +93,7 @@ def test_pack_b64_rejects_what_it_cannot_write():
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=BF16.marks)])
 def test_a_weight_sync_into_a_packing_engine_matches_an_engine_built_on_the_new_weights(dtype):
     """The engine's update path (`copy_and_repack`) writes the plain and packed weights in place, and the
     engine then generates exactly what an engine that packed the new weights from scratch generates."""
