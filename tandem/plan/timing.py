@@ -82,11 +82,14 @@ def offload_time(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> t
     if lay.engine == "megatron":  # the optimizer's shard: fp32 gradients down, bf16 parameters up, once a step
         shard = state["optimizer"] / 12
         return shard * (4 + 2) / link, shard * ADAM_BYTES / (eff["host_adam_gbps"] * 1e9)
-    tokens_per_rank = max(wl.seq_len, wl.sequences * wl.seq_len / lay.dp)
-    micro = math.ceil(tokens_per_rank / lay.micro_batch_tokens)
     per_micro = 3 * state["weights"] + state["gradients"]
     trainable = state["optimizer"] / 8
-    return micro * per_micro / link, trainable * ADAM_BYTES / (eff["host_adam_gbps"] * 1e9)
+    return _micro_batches(wl, lay) * per_micro / link, trainable * ADAM_BYTES / (eff["host_adam_gbps"] * 1e9)
+
+
+def _micro_batches(wl: Workload, lay: TrainerLayout) -> int:
+    """Micro-batches one rank runs a step (its share of the step's tokens, at least one sequence)."""
+    return math.ceil(max(wl.seq_len, wl.sequences * wl.seq_len / lay.dp) / lay.micro_batch_tokens)
 
 
 def fsdp_comm_time(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> float:
@@ -98,8 +101,7 @@ def fsdp_comm_time(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) ->
     if lay.engine != "fsdp" or lay.shard <= 1 or dev.is_cpu:
         return 0.0
     p = arch.total_params()
-    tokens_per_rank = max(wl.seq_len, wl.sequences * wl.seq_len / lay.dp)
-    micro = math.ceil(tokens_per_rank / lay.micro_batch_tokens)
+    micro = _micro_batches(wl, lay)
     gathered = p - (quantized_base_params(arch) if wl.quantize_base else 0)
     per_micro = gathered * 2 * 3 + (0 if wl.lora_rank else p * 4)
     frac = (lay.shard - 1) / lay.shard
