@@ -25,6 +25,7 @@ def apply_recipe(args: argparse.Namespace) -> None:
     inference layouts, placement. Flags the recipe does not express keep their values."""
     from tandem.config import load_config
     from tandem.runtime.config import RunConfig
+    from tandem.runtime.policy import shares_frozen_base
 
     cfg = load_config(RunConfig, args.recipe)
     args.model = args.model or cfg.model.name
@@ -39,8 +40,7 @@ def apply_recipe(args: argparse.Namespace) -> None:
             args.activation_checkpointing = tr.parallel.activation_checkpointing
             args.offload = tr.parallel.cpu_offload
             args.lora = tr.lora.rank if tr.lora is not None else 0
-            args.shared_base = (cfg.runtime.placement == "colocated" and cfg.sync.lora_mode == "adapter"
-                                and cfg.sync.share_frozen_base)  # as the run decides (runtime/loop.py)
+            args.shared_base = shares_frozen_base(cfg)  # as the run decides
             quant = tr.lora.quantize_base if tr.lora is not None else None
             args.quantize_base = quant.format if quant is not None else None
             args.hsdp_replicate = tr.parallel.replicate

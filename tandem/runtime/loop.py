@@ -55,7 +55,13 @@ from tandem.runtime.engine_wire import EngineProcessError
 from tandem.runtime.evaluation import Evaluator
 from tandem.runtime.metrics import process_metrics, rollout_metrics
 from tandem.runtime.pending import decode_groups
-from tandem.runtime.policy import merge_mini_batch_metrics, mini_batch_rows, old_log_prob_source, run_contract
+from tandem.runtime.policy import (
+    merge_mini_batch_metrics,
+    mini_batch_rows,
+    old_log_prob_source,
+    run_contract,
+    shares_frozen_base,
+)
 from tandem.runtime.preemption import Preempted, StopSignals, StuckInterrupt
 from tandem.runtime.progress import Progress
 from tandem.runtime.rollouts import Rollouts
@@ -179,7 +185,7 @@ class Run:
                 self._push_weights(self.version)
             restore_drafter(ckpt, self.engine)
             log.info("resumed %s at step %d (weight version %d)", ckpt, self.step, self.version)
-        if cfg.runtime.placement == "colocated" and cfg.sync.lora_mode == "adapter" and cfg.sync.share_frozen_base:
+        if shares_frozen_base(cfg):
             share_frozen_base(self.trainer, self.engine)  # one copy of a LoRA base in the process, not two
         save_config(cfg, self.run_dir / "config.yaml")
         self.tracker = Tracker(cfg.tracking, self.run_dir, run_name=cfg.run.name, resume_step=resume_step,

@@ -11,7 +11,14 @@ from tandem.core.contracts import Contract, RunSettings, resolve_contract
 from tandem.core.protocols import EngineInfo
 from tandem.runtime.config import RunConfig
 
-__all__ = ["merge_mini_batch_metrics", "mini_batch_rows", "old_log_prob_source", "run_contract"]
+__all__ = ["merge_mini_batch_metrics", "mini_batch_rows", "old_log_prob_source", "run_contract", "shares_frozen_base"]
+
+
+def shares_frozen_base(cfg: RunConfig) -> bool:
+    """Whether the run lets its engine hold the trainer's frozen LoRA base instead of a copy
+    (`tandem.sync.inprocess.share_frozen_base`): one process (colocated), adapter-only sync, and
+    ``sync.share_frozen_base``. The loop decides by it, and `tandem plan --check --recipe` plans by it."""
+    return cfg.runtime.placement == "colocated" and cfg.sync.lora_mode == "adapter" and cfg.sync.share_frozen_base
 
 
 def run_contract(cfg: RunConfig, trainer: EngineInfo, engine: EngineInfo, *,
