@@ -271,7 +271,7 @@ def breakdown(states: dict[str, int], peak: int, at_peak: dict[str, int], activa
     }.items()}
 
 
-def memory_worker(rank: int, world: int, model: str, port: int, out: str) -> None:
+def memory_worker(rank: int, world: int, model: str, port: int, out: str, vocab_parallel: bool = True) -> None:
     """Two steps with activation checkpointing (the resident peak), then a tracked third (the itemising)."""
     import torch.distributed as dist
 
@@ -283,8 +283,8 @@ def memory_worker(rank: int, world: int, model: str, port: int, out: str) -> Non
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=world)
     base = rss_bytes()
-    engine = FSDPEngine(engine_config(
-        model, micro_batch_tokens=MEMORY_MB_TOKENS, parallel=ParallelConfig(activation_checkpointing=True)))
+    engine = FSDPEngine(engine_config(model, micro_batch_tokens=MEMORY_MB_TOKENS, parallel=ParallelConfig(
+        activation_checkpointing=True, vocab_parallel=vocab_parallel)))
     batch = make_batch(MEMORY_BATCH, seed=1)
     local = batch.select(split_for_data_parallel(batch, world)[rank])
     grads: dict[str, int] = {}
@@ -311,7 +311,7 @@ def memory_worker(rank: int, world: int, model: str, port: int, out: str) -> Non
         dist.destroy_process_group()
 
 
-def peak_memory(model: str, world: int) -> tuple[float, dict[str, float]]:
+def peak_memory(model: str, world: int, vocab_parallel: bool = True) -> tuple[float, dict[str, float]]:
     """Mean peak bytes per rank and rank 0's breakdown, each world in fresh processes (clean high-water marks)."""
     import socket
 
@@ -325,7 +325,8 @@ def peak_memory(model: str, world: int) -> tuple[float, dict[str, float]]:
     # returns large blocks to the OS when freed. Same setting for both worlds.
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(memory_worker, args=(world, model, port, out), nprocs=world, start_method="spawn")
+        mp.start_processes(memory_worker, args=(world, model, port, out, vocab_parallel), nprocs=world,
+                           start_method="spawn")
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
     return sum(r["peak_bytes"] for r in ranks) / world, ranks[0]["breakdown_mib"]
 
@@ -345,20 +346,55 @@ ROWS = [  # (key, label)
 ]
 
 
-def print_breakdown(mem: dict[int, dict[str, float]]) -> None:
-    w1, w2 = mem[1], mem[2]
-    print(f"\nmemory per rank, MiB      {'world 1':>9} {'world 2':>9} {'2 / 1':>6}")
+# memory arms: (world, parallel.vocab_parallel); "world2" is the default path, "world2_gathered" the embedding
+# and LM head gathered whole by FSDP as before vocab_parallel (same run, for the gain)
+MEMORY_ARMS = {"world1": (1, True), "world2": (2, True), "world2_gathered": (2, False)}
+
+
+def measure_memory(model: str, repeats: int) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
+    """Peak bytes per rank of each arm over ``repeats`` rounds (arms alternating, order rotating each
+    round), and each arm's breakdown from its last round."""
+    peaks: dict[str, list[float]] = {arm: [] for arm in MEMORY_ARMS}
+    mem: dict[str, dict[str, float]] = {}
+    arms = list(MEMORY_ARMS)
+    for r in range(repeats):
+        for arm in arms[r % len(arms):] + arms[: r % len(arms)]:
+            world, vocab_parallel = MEMORY_ARMS[arm]
+            peak, mem[arm] = peak_memory(model, world, vocab_parallel)
+            peaks[arm].append(peak)
+            print(f"memory round {r + 1}/{repeats} {arm}: {peak / MIB:.0f} MiB per rank", flush=True)
+    return peaks, mem
+
+
+def memory_result(peaks: dict[str, list[float]], mem: dict[str, dict[str, float]]) -> dict:
+    med = {arm: statistics.median(v) for arm, v in peaks.items()}
+    return {
+        "memory_repeats": len(peaks["world1"]),
+        "peak_mib_world1": round(med["world1"] / MIB, 1),
+        "peak_mib_world2_per_rank": round(med["world2"] / MIB, 1),
+        "peak_mib_world2_gathered_per_rank": round(med["world2_gathered"] / MIB, 1),
+        "memory_ratio_world2": round(med["world2"] / med["world1"], 3),
+        "memory_ratio_world2_gathered": round(med["world2_gathered"] / med["world1"], 3),
+        "peak_mib_spread": {arm: [round(min(v) / MIB, 1), round(max(v) / MIB, 1)] for arm, v in peaks.items()},
+        "memory_breakdown_mib": mem,
+    }
+
+
+def print_breakdown(mem: dict[str, dict[str, float]]) -> None:
+    w1, w2, g2 = mem["world1"], mem["world2"], mem["world2_gathered"]
+    print(f"\nmemory per rank, MiB (last round)           {'world 1':>9} {'world 2':>9} {'2 / 1':>6} "
+          f"{'w2 gathered':>11}")
     for key, label in ROWS:
-        a, b = w1[key], w2[key]
+        a, b, c = w1[key], w2[key], g2[key]
         ratio = f"{b / a:6.2f}" if a else "     -"
-        print(f"  {label:<42} {a:9.1f} {b:9.1f} {ratio}")
+        print(f"  {label:<42} {a:9.1f} {b:9.1f} {ratio} {c:11.1f}")
         if key == "peak":
             print("  (below: not part of the peak's sum)")
     sharded = [sum(w[k] for k in ("parameters", "gradients", "optimizer_state")) for w in (w1, w2)]
     rest = [w["peak"] - s for w, s in zip((w1, w2), sharded, strict=True)]
     print(f"sharded state {sharded[0]:.0f} -> {sharded[1]:.0f} MiB ({sharded[1] / sharded[0]:.2f}); "
           f"the rest of the peak {rest[0]:.0f} -> {rest[1]:.0f} MiB; "
-          f"the gathered embedding is {w2['gathered_embedding_size']:.0f} MiB whole")
+          f"the embedding is {w2['gathered_embedding_size']:.0f} MiB whole (gathered only in 'w2 gathered')")
 
 
 def main() -> None:
@@ -367,6 +403,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="interleaved repeats per arm (median reported)")
     p.add_argument("--threads", type=int, default=1, help="torch threads for the throughput part")
     p.add_argument("--memory-only", action="store_true", help="skip the throughput part")
+    p.add_argument("--memory-repeats", type=int, default=3, help="alternating rounds of the memory arms (median)")
     p.add_argument("--throughput-only", action="store_true", help="skip the memory part")
     p.add_argument("--shape", choices=tuple(SHAPES), default="mixed",
                    help="the throughput batch: mixed lengths (default) or the GRPO demo's 32 x (60 + 30)")
@@ -376,14 +413,9 @@ def main() -> None:
     resolve_model(args.model)  # build the cache once, outside any timing
     torch.set_num_threads(args.threads)
     if args.memory_only:
-        peaks, mem = {}, {}
-        for world in (1, 2):
-            peaks[world], mem[world] = peak_memory(args.model, world)
+        peaks, mem = measure_memory(args.model, args.memory_repeats)
         print_breakdown(mem)
-        print("RESULT " + json.dumps({"model": args.model, "peak_mib_world1": round(peaks[1] / MIB, 1),
-                                      "peak_mib_world2_per_rank": round(peaks[2] / MIB, 1),
-                                      "memory_ratio_world2": round(peaks[2] / peaks[1], 3),
-                                      "memory_breakdown_mib": {f"world{w}": mem[w] for w in (1, 2)}}))
+        print("RESULT " + json.dumps({"model": args.model, **memory_result(peaks, mem)}))
         return
     runs = throughput(args.model, args.steps, SHAPES[args.shape])
     for arm, r in runs.items():
@@ -426,20 +458,9 @@ def main() -> None:
     if args.throughput_only:
         print("RESULT " + json.dumps(through))
         return
-    mem = {}
-    peaks = {}
-    for world in (1, 2):
-        peaks[world], mem[world] = peak_memory(args.model, world)
+    peaks, mem = measure_memory(args.model, args.memory_repeats)
     print_breakdown(mem)
-    mem1, mem2 = peaks[1], peaks[2]
-    print(f"peak memory per rank: world 1 {mem1 / MIB:.0f} MiB, world 2 {mem2 / MIB:.0f} MiB")
-    result = through | {
-        "peak_mib_world1": round(mem1 / MIB, 1),
-        "peak_mib_world2_per_rank": round(mem2 / MIB, 1),
-        "memory_ratio_world2": round(mem2 / mem1, 3),
-        "memory_breakdown_mib": {f"world{w}": mem[w] for w in (1, 2)},
-        "device": "cuda" if torch.cuda.is_available() else "cpu",
-    }
+    result = through | memory_result(peaks, mem) | {"device": "cuda" if torch.cuda.is_available() else "cpu"}
     print("RESULT " + json.dumps(result))
 
 

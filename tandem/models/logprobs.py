@@ -3,7 +3,8 @@
 ``log p(target) = z[target] - logsumexp(z)`` with ``z = (hidden @ W^T) / temperature`` in float32. The
 vocabulary projection is computed one chunk of rows at a time; with autograd, the backward pass
 recomputes each chunk's logits instead of keeping them, so memory stays at ``chunk x vocab`` floats
-whatever the number of tokens (peak ~ one chunk's logits, its softmax and its gradient).
+whatever the number of tokens (peak ~ one chunk's logits, updated in place into their gradient; two
+buffers with entropy).
 
 Gradients (``p = softmax(z)``, ``H = -sum p log p``)::
 
@@ -102,15 +103,19 @@ class _ChunkedLogProbs(torch.autograd.Function):
             h = hidden[s : s + chunk]
             z = F.linear(h, weight).float()
             if t != 1.0:
-                z = z / t
-            logp_all = torch.log_softmax(z, dim=-1)
-            p = logp_all.exp()
-            gz = -p * g_logp[s : s + chunk, None]
-            gz.scatter_add_(-1, targets[s : s + chunk, None], g_logp[s : s + chunk, None].float())
-            if ent is not None and g_ent.numel():
-                gz -= g_ent[s : s + chunk, None] * p * (logp_all + ent[s : s + chunk, None])
+                z.div_(t)
+            # one [chunk, V] buffer updated in place (two with entropy), not four
+            logp_all = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
+            g = g_logp[s : s + chunk, None].float()
+            if ent is not None and g_ent.numel():  # -p g - g_ent p (log p + H)
+                p = logp_all.exp()
+                gz = logp_all.add_(ent[s : s + chunk, None]).mul_(-g_ent[s : s + chunk, None]).sub_(g).mul_(p)
+                del p
+            else:
+                gz = logp_all.exp_().mul_(-g)
+            gz.scatter_add_(-1, targets[s : s + chunk, None], g)
             if t != 1.0:
-                gz = gz / t
+                gz.div_(t)
             if need_h:
                 g_hidden[s : s + chunk] = torch.matmul(gz.to(weight.dtype), weight).to(hidden.dtype)
             if need_w:

@@ -20,6 +20,7 @@ from tandem.engines.training.fsdp import (
     OptimizerConfig,
     ParallelConfig,
 )
+from tandem.engines.training.fsdp.vocab_parallel import VocabParallelEmbedding
 from tandem.models import ModelConfig
 
 from .helpers import TINY, NaNOnCall, engine_grads, make_batch, sync_weights, token_mean_pg, value_mse
@@ -59,7 +60,9 @@ def two_steps(engine: FSDPEngine, rank: int, world: int, split) -> dict:
     m1 = engine._finish_step(engine.policy, "policy", stats, 0.0)
     m2 = engine.train_step(second.select(local_rows(second, rank, world, split)), token_mean_pg)
     logp = engine.forward_logprobs(first.select(rows)).log_probs
-    return {"grads": grads, "metrics": [m1, m2], "weights": sync_weights(engine), "rows": rows, "logp": logp}
+    embed = engine.policy.module.lm.model.embed_tokens
+    return {"grads": grads, "metrics": [m1, m2], "weights": sync_weights(engine), "rows": rows, "logp": logp,
+            "vocab_parallel": isinstance(embed, VocabParallelEmbedding)}
 
 
 def equivalence(rank: int, world: int, out_dir: str) -> None:

@@ -62,6 +62,9 @@ def test_sharded_step_equals_single_process(spawned, case):
         assert (r["logp"] - want).abs().max() < 1e-5
     if case == "lora":
         assert all(".lora_" in n for n in ranks[0]["grads"])
+    # the native model on a 1-D mesh uses the embedding / LM head by vocabulary shard (fsdp/vocab_parallel.py);
+    # the HF fallback and HSDP gather them whole
+    assert all(r["vocab_parallel"] == (case not in ("padded-micro-batches", "hsdp-replicate-2")) for r in ranks)
 
 
 def test_nan_on_one_rank_skips_the_step_everywhere(spawned):
@@ -93,3 +96,18 @@ def test_resume_in_fresh_processes_is_bit_exact(spawned):
         untimed = [[{k: v for k, v in m.items() if not k.endswith(timing)} for m in run["tail"]] for run in (resumed, straight)]
         assert untimed[0] == untimed[1]  # losses, grad norms, learning rates: bit for bit
         assert max_abs_diff(resumed["final"], straight["final"]) == 0.0
+
+
+def test_a_world_2_checkpoint_exports_in_one_process(spawned, tmp_path):
+    """The vocabulary-sharded embedding is saved as a DTensor like FSDP's shards: one process reads it whole."""
+    from safetensors.torch import load_file
+
+    from tandem.engines.training.fsdp.export import export_hf
+
+    out = export_hf(spawned / "ckpt", tmp_path / "hf")
+    exported = {}
+    for f in sorted(out.glob("*.safetensors")):
+        exported.update(load_file(str(f)))
+    saved = _load(spawned, "straight")[0]["saved"]["weights"]
+    assert "model.embed_tokens.weight" in saved
+    assert max_abs_diff({k: exported[k] for k in saved}, saved) == 0.0

@@ -101,7 +101,8 @@ def test_packed_and_padded_give_the_same_step():
     (m_packed, w_packed), (m_padded, w_padded) = results
     for a, b in zip(m_packed, m_padded, strict=True):
         assert abs(a["train/loss"] - b["train/loss"]) < 1e-6
-        assert abs(a["train/grad_norm"] - b["train/grad_norm"]) < 1e-6
+        # a norm of ~7 in fp32 (ulp 4.8e-7) summed over differently laid-out tokens: relative tolerance
+        assert abs(a["train/grad_norm"] - b["train/grad_norm"]) < 1e-6 * max(1.0, abs(b["train/grad_norm"]))
     assert m_packed[0]["train/tokens"] < m_padded[0]["train/tokens"]  # padding is fed too
     assert max_abs_diff(w_packed, w_padded) < 1e-6
 

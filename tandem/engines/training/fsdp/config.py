@@ -38,6 +38,9 @@ class ParallelConfig:
     activation_checkpointing: bool = False  # recompute each decoder layer in backward
     reshard_after_forward: bool = True  # False keeps layers gathered between forward and backward
     backend: Literal["auto", "gloo", "nccl"] = "auto"  # used only if the engine creates the group
+    # the policy's embedding / LM head used shard by shard over the vocabulary, never gathered
+    # (fsdp/vocab_parallel.py); world > 1 without replicate, native model, off in deterministic mode
+    vocab_parallel: bool = True
 
     def __post_init__(self) -> None:
         if self.replicate < 1:

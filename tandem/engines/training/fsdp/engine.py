@@ -58,6 +58,7 @@ from tandem.engines.training.fsdp.parallel import (
     init_distributed,
     total_grad_norm,
 )
+from tandem.engines.training.fsdp.vocab_parallel import can_shard_vocabulary, shard_vocabulary
 from tandem.models.attention import MoERouting
 from tandem.models.hf_names import checkpoint_named
 from tandem.models.registry import DTYPES
@@ -217,10 +218,25 @@ class FSDPEngine:
         if trainable and self.config.parallel.activation_checkpointing:
             enable_activation_checkpointing(layers)
         if self.ctx.sharded:
-            apply_fsdp(root, layers, self.ctx, self.config.parallel, offload=offload)
+            ignored = self._shard_vocabulary(root, loaded, offload) if isinstance(root, PolicyModel) else None
+            apply_fsdp(root, layers, self.ctx, self.config.parallel, offload=offload, ignored=ignored)
         elif not offload:  # an offloaded single-process model visits the device per forward
             root.to(self.ctx.device)
         return root
+
+    def _shard_vocabulary(self, root: PolicyModel, loaded: LoadedLM, offload: bool) -> set[nn.Parameter] | None:
+        """Shard the embedding / LM head by vocabulary rows (fsdp/vocab_parallel.py) where that applies."""
+        par = self.config.parallel
+        if not par.vocab_parallel or self.config.deterministic or not loaded.native or self.ctx.mesh.ndim != 1:
+            return None  # deterministic: the gathered projection gives the embedded engine's bits
+        if offload or (par.cpu_offload and self.ctx.device.type != "cpu"):
+            return None
+        why = can_shard_vocabulary(loaded.lm, self.ctx.world_size)
+        if why is not None:
+            log.info("vocab_parallel: not used (%s)", why)
+            return None
+        dtype = DTYPES[par.param_dtype] if par.param_dtype else None
+        return shard_vocabulary(root.lm, self.ctx.mesh, self.ctx.device, dtype)
 
     def _build_ref(self) -> PolicyModel | None:
         rc = self.config.ref

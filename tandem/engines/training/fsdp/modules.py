@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from tandem.engines.training.common import MicroBatch
+from tandem.engines.training.fsdp.vocab_parallel import VocabParallelEmbedding, vocab_parallel_logprobs
 from tandem.kernels.config import QuantConfig
 from tandem.kernels.qat import apply_qat, qat_targets
 from tandem.models.attention import MoERouting
@@ -137,6 +138,8 @@ class PolicyModel(nn.Module):
         Only the ``M`` predicting positions go through the vocabulary projection (prompt positions
         would be wasted work), chunk by chunk with a recomputing backward (models/logprobs.py).
         """
+        if self.native and isinstance(self.lm.model.embed_tokens, VocabParallelEmbedding):
+            return self._vocab_parallel(mb, temperature, with_entropy, chunk, routing)
         tied = self.lm.tied_grad_slot() if self.native else None  # one dense gradient of a tied embedding
         hidden = _hidden(self.lm, self.native, mb, routing, tied)
         return token_logprobs(
@@ -147,6 +150,25 @@ class PolicyModel(nn.Module):
             chunk_size=chunk,
             with_entropy=with_entropy,
             tied_grad=tied,
+        )
+
+
+    def _vocab_parallel(
+        self, mb: MicroBatch, temperature: float, with_entropy: bool, chunk: int, routing: MoERouting | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward` with the embedding and the projection sharded by vocabulary (fsdp/vocab_parallel.py)."""
+        embed = self.lm.model.embed_tokens
+        head = self.lm.lm_head.weight  # tied: the embedding's parameter (both add into its .grad)
+        hidden = _hidden(self.lm, True, mb, routing)
+        return vocab_parallel_logprobs(
+            hidden[mb.select],
+            embed.local_weight(head),
+            mb.targets,
+            embed.shard,
+            temperature=temperature,
+            chunk_size=chunk,
+            with_entropy=with_entropy,
+            grad_into=head,
         )
 
 

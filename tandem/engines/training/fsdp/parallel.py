@@ -169,8 +169,11 @@ def apply_fsdp(
     cfg: ParallelConfig,
     *,
     offload: bool = False,
+    ignored: set[nn.Parameter] | None = None,
 ) -> None:
     """``fully_shard`` every layer, then the root (embeddings, final norm, LM head: tied stay tied).
+
+    ``ignored``: parameters the root leaves alone (already sharded by fsdp/vocab_parallel.py).
 
     Gradients are *summed* over ranks, not averaged: Tandem's losses are already divided by the global
     normaliser (`LossScale`), so the sum over ranks is exactly the full-batch gradient.
@@ -186,7 +189,7 @@ def apply_fsdp(
         kw["offload_policy"] = CPUOffloadPolicy()
     for layer in layers:
         fully_shard(layer, reshard_after_forward=cfg.reshard_after_forward, **kw)
-    fully_shard(root, **kw)
+    fully_shard(root, ignored_params=ignored or None, **kw)
     for m in root.modules():
         if isinstance(m, FSDPModule):
             # Divide by 1 with plain SUM collectives: gloo has no PREMUL_SUM, and NCCL's AVG would
