@@ -4,7 +4,8 @@ Assumptions (docs/plan.md has the derivations and the CPU calibration):
 
 * FSDP2 (Tandem's engine): fp32 master weights, fp32 gradients and AdamW's two fp32 moments, sharded over
   the data-parallel ranks (16 B/param / dp; HSDP: / the shard group); with more than one rank the gathered root group (embeddings)
-  and two gathered decoder layers in the compute dtype, and the root group's unsharded gradient. LoRA: the
+  and two gathered decoder layers in the compute dtype, and the root group's unsharded gradient; a native model
+  on a 1-D mesh (`vocab_parallel`) gathers no embeddings and projects onto its vocabulary slice. LoRA: the
   frozen base in the compute dtype, sharded; adapters at 16 B/param. QLoRA (`Workload.quantize_base`): the
   targeted linear weights of the base held quantized (`BASE_BYTES` per weight, `quantized_base_params`), not
   sharded (FSDP does not shard the buffers that hold them), one layer's weight dequantized at a time. `offload`: FSDP2's CPUOffloadPolicy
@@ -169,10 +170,20 @@ def host_bytes(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> flo
                for k in ("weights", "gradients", "optimizer"))
 
 
-def _logprob_buffers(arch: Arch, wl: Workload, lay: TrainerLayout, tokens: float) -> float:
+def vocab_parallel(arch: Arch, dev: Device, lay: TrainerLayout) -> bool:
+    """Whether the FSDP engine uses the embedding and LM head shard by shard over the vocabulary, never gathered
+    (`parallel.vocab_parallel`, fsdp/vocab_parallel.py): a native model on a 1-D mesh of > 1 ranks, not offloaded."""
+    return (lay.engine == "fsdp" and lay.shard > 1 and lay.replicate == 1 and arch.native
+            and not (lay.offload and not dev.is_cpu))
+
+
+def _logprob_buffers(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout, tokens: float) -> float:
     response_rows = tokens * wl.response_len / wl.seq_len
     if lay.engine == "megatron":
         return response_rows * arch.vocab / lay.tp * 4 * 3
+    if vocab_parallel(arch, dev, lay):  # every rank's rows projected onto this rank's slice of the vocabulary
+        rows = min(LOGPROB_CHUNK, response_rows * lay.shard)
+        return (rows * 4 * 3 + 2 * arch.hidden * 4) * arch.vocab / lay.shard
     rows = min(LOGPROB_CHUNK, response_rows)
     return rows * arch.vocab * 4 * 3 + 2 * arch.vocab * arch.hidden * 4
 
@@ -203,7 +214,7 @@ def _fsdp_state(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> di
         items = {k: (v if k in ("quantized_base", "dequantized") else 0.0) for k, v in items.items()}
     if dp > 1:
         layer = (arch.total_params() - arch.embedding_params()) / arch.layers
-        root = arch.embedding_params()
+        root = 0 if vocab_parallel(arch, dev, lay) else arch.embedding_params()  # vocab-parallel: never gathered
         if wl.quantize_base:  # the quantized weights are not sharded, so not gathered
             layer -= quantized_base_params(arch) / arch.layers
         items["gathered"] = (root + 2 * layer) * b + (0 if wl.lora_rank else root * 4)
@@ -234,7 +245,7 @@ def trainer_memory(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) ->
         items = _fsdp_state(arch, dev, wl, lay)
     act, tokens = _activations(arch, dev, wl, lay)
     items["activations"] = act
-    items["logprob_buffers"] = _logprob_buffers(arch, wl, lay, tokens)
+    items["logprob_buffers"] = _logprob_buffers(arch, dev, wl, lay, tokens)
     items["overhead"] = CPU_PROCESS_BASE if dev.is_cpu else GPU_TRAINER_OVERHEAD
     return items
 

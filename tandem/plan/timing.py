@@ -31,6 +31,7 @@ from tandem.plan.memory import (
     kv_budget,
     quantized_base_params,
     trainer_memory,
+    vocab_parallel,
 )
 
 __all__ = ["EFFICIENCY", "fsdp_comm_time", "offload_time", "rollout_time", "sync_time", "train_time"]
@@ -102,8 +103,11 @@ def fsdp_comm_time(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) ->
         return 0.0
     p = arch.total_params()
     micro = _micro_batches(wl, lay)
-    gathered = p - (quantized_base_params(arch) if wl.quantize_base else 0)
-    per_micro = gathered * 2 * 3 + (0 if wl.lora_rank else p * 4)
+    # vocab-parallel: the embedding / LM head are neither gathered nor reduce-scattered (the hidden states and
+    # per-token statistics it exchanges instead are tokens x hidden: left out)
+    sharded = p - (arch.embedding_params() if vocab_parallel(arch, dev, lay) else 0)
+    gathered = sharded - (quantized_base_params(arch) if wl.quantize_base else 0)
+    per_micro = gathered * 2 * 3 + (0 if wl.lora_rank else sharded * 4)
     frac = (lay.shard - 1) / lay.shard
     gbps = dev.link_gbps if lay.shard <= dev.gpus_per_node else dev.internode_gbps
     t = micro * per_micro * frac / (gbps * 1e9)
