@@ -23,7 +23,9 @@
    packing gain = native packed / native padded; model gain = native padded / HF padded; their
    product is the old packed / padded figure. Padding ratio = fed / real tokens of a padded step.
 2. Memory: steps (activation checkpointing on) in a fresh world of 1 process and of 2 gloo processes
-   (each rank holding half the batch). Peak resident memory per rank (VmHWM) over two optimizer steps
+   (each rank holding half the batch); world 2 twice: the default path (``parallel.vocab_parallel``, the
+   embedding used by vocabulary shard) and ``vocab_parallel: false`` (gathered whole, for the gain); the three
+   arms alternate over ``--memory-repeats`` rounds (order rotating), medians and min-max. Peak resident memory per rank (VmHWM) over two optimizer steps
    above the level before building the engine (or ``torch.cuda.max_memory_allocated`` on a GPU), then
    a third, identical step under torch's tensor memory tracker (``MemTracker``, ``FSDPMemTracker`` at
    world 2: every live tensor storage, by role) itemises the peak: parameters, gradients and AdamW
