@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["TiedGrad", "logprobs_from_hidden", "tied_embedding", "token_logprobs"]
+__all__ = ["TiedGrad", "chunk_logits", "logits_grad_", "logprobs_from_hidden", "tied_embedding", "token_logprobs"]
 
 
 class TiedGrad:
@@ -72,6 +72,37 @@ def _chunk_stats(h, weight, targets, temperature, with_entropy):
     return logp, ent
 
 
+def chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``F.linear(h, weight) / temperature`` in float32, a fresh tensor (a backward updates it in place)."""
+    z = F.linear(h, weight).float()
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+def logits_grad_(
+    logp_all: torch.Tensor,
+    g_logp: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    *,
+    g_ent: torch.Tensor | None = None,
+    ent: torch.Tensor | None = None,
+    in_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The loss gradient at the logits ``z`` of one chunk, computed in place in ``logp_all`` (``[n, V]``
+    log-softmax, consumed): ``g_logp (onehot(t) - p) - g_ent p (log p + H)``, divided by the temperature.
+    One ``[n, V]`` buffer (two with entropy), not four. ``in_rows`` (bool ``[n]``): which targets lie in these
+    columns (a vocabulary slice; ``targets`` are then column indices, clamped)."""
+    g = g_logp[:, None].float()
+    if g_ent is not None:
+        p = logp_all.exp()
+        gz = logp_all.add_(ent[:, None]).mul_(-g_ent[:, None].float()).sub_(g).mul_(p)
+        del p
+    else:
+        gz = logp_all.exp_().mul_(-g)
+    gz.scatter_add_(-1, targets[:, None], g if in_rows is None else g * in_rows[:, None])
+    return gz.div_(temperature) if temperature != 1.0 else gz
+
+
 class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy, sink):
@@ -101,21 +132,16 @@ class _ChunkedLogProbs(torch.autograd.Function):
         g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
-            z = F.linear(h, weight).float()
-            if t != 1.0:
-                z.div_(t)
-            # one [chunk, V] buffer updated in place (two with entropy), not four
-            logp_all = z.sub_(torch.logsumexp(z, dim=-1, keepdim=True))
-            g = g_logp[s : s + chunk, None].float()
-            if ent is not None and g_ent.numel():  # -p g - g_ent p (log p + H)
-                p = logp_all.exp()
-                gz = logp_all.add_(ent[s : s + chunk, None]).mul_(-g_ent[s : s + chunk, None]).sub_(g).mul_(p)
-                del p
-            else:
-                gz = logp_all.exp_().mul_(-g)
-            gz.scatter_add_(-1, targets[s : s + chunk, None], g)
-            if t != 1.0:
-                gz.div_(t)
+            z = chunk_logits(h, weight, t)
+            with_ent = ent is not None and g_ent.numel()
+            gz = logits_grad_(
+                z.sub_(torch.logsumexp(z, dim=-1, keepdim=True)),
+                g_logp[s : s + chunk],
+                targets[s : s + chunk],
+                t,
+                g_ent=g_ent[s : s + chunk] if with_ent else None,
+                ent=ent[s : s + chunk] if with_ent else None,
+            )
             if need_h:
                 g_hidden[s : s + chunk] = torch.matmul(gz.to(weight.dtype), weight).to(hidden.dtype)
             if need_w:

@@ -152,7 +152,6 @@ class PolicyModel(nn.Module):
             tied_grad=tied,
         )
 
-
     def _vocab_parallel(
         self, mb: MicroBatch, temperature: float, with_entropy: bool, chunk: int, routing: MoERouting | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:

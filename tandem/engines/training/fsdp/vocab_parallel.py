@@ -36,8 +36,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
+
+from tandem.models.logprobs import chunk_logits, logits_grad_
 
 __all__ = ["VocabParallelEmbedding", "VocabShard", "can_shard_vocabulary", "shard_vocabulary", "vocab_parallel_logprobs", "vocab_rows"]
 
@@ -138,11 +139,6 @@ class _Embedding(torch.autograd.Function):
         return None, None, None, None
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
-    z = F.linear(h, weight).float()
-    return z.div_(temperature) if temperature != 1.0 else z
-
-
 def _target_columns(targets: torch.Tensor, vs: VocabShard, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(column [n], in_slice [n] bool)``: a target's column in this slice (clamped where it is not)."""
     col = targets - vs.start
@@ -160,7 +156,7 @@ class _LogProbs(torch.autograd.Function):
         f32 = dict(dtype=torch.float32, device=hidden.device)
         m, s, zt, a = (torch.zeros(n, **f32) for _ in range(4))
         for i in range(0, n, chunk):
-            z = _chunk_logits(h_all[i : i + chunk], weight, temperature)
+            z = chunk_logits(h_all[i : i + chunk], weight, temperature)
             mi = z.max(-1).values
             col, inside = _target_columns(t_all[i : i + chunk], vs, rows)
             zt[i : i + chunk] = torch.where(inside, z.gather(-1, col[:, None]).squeeze(-1), 0.0)
@@ -202,20 +198,16 @@ class _LogProbs(torch.autograd.Function):
                 g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
         for i in range(0, n, chunk):
             h = h_all[i : i + chunk]
-            g = g_all[i : i + chunk, None]
-            # one or two [chunk, V / world] buffers, updated in place: dlogp/dz = onehot - p,
-            # dH/dz = -p (log p + H)
-            logp_all = _chunk_logits(h, weight, t).sub_(lse[i : i + chunk, None])
-            if ge_all is None:
-                gz = logp_all.exp_().mul_(-g)
-            else:
-                p = logp_all.exp()
-                gz = logp_all.add_(ent[i : i + chunk, None]).mul_(-ge_all[i : i + chunk, None]).sub_(g).mul_(p)
-                del p
             col, inside = _target_columns(t_all[i : i + chunk], vs, rows)
-            gz.scatter_add_(-1, col[:, None], g * inside[:, None])
-            if t != 1.0:
-                gz.div_(t)
+            gz = logits_grad_(
+                chunk_logits(h, weight, t).sub_(lse[i : i + chunk, None]),  # log p over this slice's columns
+                g_all[i : i + chunk],
+                col,
+                t,
+                g_ent=ge_all[i : i + chunk] if ge_all is not None else None,
+                ent=ent[i : i + chunk] if ge_all is not None else None,
+                in_rows=inside,
+            )
             g_hidden[i : i + chunk] = torch.matmul(gz.to(weight.dtype), weight).float()
             if g_weight is not None:
                 g_weight.addmm_(gz.t(), h.float())
