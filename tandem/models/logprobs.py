@@ -59,7 +59,8 @@ def tied_embedding(ids: torch.Tensor, weight: torch.Tensor, sink: TiedGrad) -> t
 
 
 def _chunk_stats(h, weight, targets, temperature, with_entropy):
-    """The one formula every engine uses for returned log-probs (F.linear so invariant modes apply)."""
+    """The one formula every engine uses for returned log-probs (F.linear so invariant modes apply):
+    ``(log p [n], entropy [n] or None, logsumexp [n])``."""
     z = F.linear(h, weight).float()
     if temperature != 1.0:
         z = z / temperature
@@ -69,7 +70,7 @@ def _chunk_stats(h, weight, targets, temperature, with_entropy):
     if with_entropy:
         logp_all = z - lse[:, None]  # -sum p log p loses less to cancellation than lse - sum p z
         ent = -(logp_all.exp() * logp_all).sum(-1)
-    return logp, ent
+    return logp, ent, lse
 
 
 def chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -107,16 +108,18 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, temperature, chunk, with_entropy, sink):
         n = hidden.shape[0]
-        logp = hidden.new_empty(n, dtype=torch.float32)
+        logp, lse = (hidden.new_empty(n, dtype=torch.float32) for _ in range(2))
         ent = hidden.new_empty(n, dtype=torch.float32) if with_entropy else None
         for s in range(0, n, chunk):
-            lp, en = _chunk_stats(
+            lp, en, lse[s : s + chunk] = _chunk_stats(
                 hidden[s : s + chunk], weight, targets[s : s + chunk], temperature, with_entropy
             )
             logp[s : s + chunk] = lp
             if with_entropy:
                 ent[s : s + chunk] = en
-        ctx.save_for_backward(hidden, weight, targets, logp, *([ent] if with_entropy else []))
+        # the backward recomputes each chunk's logits (the same bits) and subtracts this logsumexp: one
+        # [chunk, V] buffer there, no second reduction over the vocabulary
+        ctx.save_for_backward(hidden, weight, targets, lse, *([ent] if with_entropy else []))
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.sink = temperature, chunk, with_entropy, sink
         if with_entropy:
             return logp, ent
@@ -124,7 +127,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        hidden, weight, targets, _logp, *rest = ctx.saved_tensors
+        hidden, weight, targets, lse, *rest = ctx.saved_tensors
         ent = rest[0] if ctx.with_entropy else None
         t, chunk = ctx.temperature, ctx.chunk
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
@@ -135,7 +138,7 @@ class _ChunkedLogProbs(torch.autograd.Function):
             z = chunk_logits(h, weight, t)
             with_ent = ent is not None and g_ent.numel()
             gz = logits_grad_(
-                z.sub_(torch.logsumexp(z, dim=-1, keepdim=True)),
+                z.sub_(lse[s : s + chunk, None]),
                 g_logp[s : s + chunk],
                 targets[s : s + chunk],
                 t,
@@ -182,7 +185,7 @@ def token_logprobs(
         ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
         with torch.no_grad():
             for s in range(0, n, chunk_size):
-                lp, en = _chunk_stats(
+                lp, en, _ = _chunk_stats(
                     hidden[s : s + chunk_size], weight, targets[s : s + chunk_size], temperature, with_entropy
                 )
                 logp[s : s + chunk_size] = lp

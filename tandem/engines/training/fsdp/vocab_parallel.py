@@ -17,8 +17,9 @@ O(V x H)):
 * log-probs: the hidden states of all ranks are gathered; each rank computes the logits of its slice
   chunk by chunk (models/logprobs.py's recomputing scheme) and the per-token max, sum of exponentials
   and target logit (and, for entropy, sum p z) are combined by two all-reduces:
-  ``log p(t) = z_t - (m + log S)``. The backward recomputes the slice's logits; the hidden-state
-  gradient partials are summed by an all-reduce.
+  ``log p(t) = z_t - (m + log S)``. One ``[chunk, V / world]`` buffer is live (the exponentials are taken
+  in place; the entropy's ``sum e log e`` too). The backward recomputes the slice's logits; the
+  hidden-state gradient partials are summed by an all-reduce.
 
 Every rank sees every rank's tokens, so a slice's weight gradient is complete where it is computed: no
 gradient collective for it. The weight stays a DTensor (``Shard(0)`` on the FSDP mesh), so checkpoints
@@ -160,11 +161,11 @@ class _LogProbs(torch.autograd.Function):
             mi = z.max(-1).values
             col, inside = _target_columns(t_all[i : i + chunk], vs, rows)
             zt[i : i + chunk] = torch.where(inside, z.gather(-1, col[:, None]).squeeze(-1), 0.0)
-            d = z.sub_(mi[:, None])  # in place: z - m, then e = exp(z - m)
-            e = d.exp()
+            e = z.sub_(mi[:, None]).exp_()  # in place: e = exp(z - m), the one [chunk, rows] buffer
             m[i : i + chunk], s[i : i + chunk] = mi, e.sum(-1)
-            if with_entropy:  # sum e (z - m): bounded by the logits' spread, not their level
-                a[i : i + chunk] = e.mul_(d).sum(-1)
+            if with_entropy:  # sum e (z - m) = sum e log e: bounded by the logits' spread, not their level
+                a[i : i + chunk] = e.xlogy_(e).sum(-1)
+            del z, e
         gm = _all_reduce(m.clone(), vs, dist.ReduceOp.MAX)
         scale = torch.exp(m - gm)
         parts = [s * scale, zt] + ([scale * (a + (m - gm) * s)] if with_entropy else [])
