@@ -161,10 +161,9 @@ def _check(num: int) -> None:
 
 
 def test_random_conversations_small():
-    _check(120)
+    _check(240)  # CI's bound (~20 s); the 1,000-conversation run below is slow
 
 
 @pytest.mark.slow
-@pytest.mark.ci
 def test_random_conversations_1000():
     _check(1000)
