@@ -20,20 +20,46 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bar; one log line per step")
 
 
+def _allocator_choice(recipe: str, overrides: list[str]) -> str | None:
+    """``runtime.allocator`` as the recipe and overrides give it, read without building the config (no torch
+    import); None when it cannot be read (the full config build reports why)."""
+    from tandem.config import ConfigError, apply_overrides, read_yaml
+    from tandem.runtime.allocator import DEFAULT_CHOICE
+
+    try:
+        data = apply_overrides(read_yaml(recipe), overrides)
+    except ConfigError:
+        return None
+    runtime = data.get("runtime")
+    if runtime is None:
+        return DEFAULT_CHOICE
+    choice = runtime.get("allocator", DEFAULT_CHOICE) if isinstance(runtime, dict) else None
+    return choice if isinstance(choice, str) else None
+
+
 def run(args: argparse.Namespace) -> int:
     import logging
     import sys
     from pathlib import Path
 
     from tandem.config import load_config
-    from tandem.runtime.config import RunConfig
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     overrides = list(args.overrides) + (["tracking.progress=false"] if args.quiet else [])
     if args.debug_train_only:
         overrides.append(f"rollout.load_dump={args.debug_train_only}")
-    cfg = load_config(RunConfig, args.recipe, overrides)  # every error is reported before any work
     from tandem.runtime.allocator import AllocatorError, reexec_under
+
+    if getattr(args, "owns_process", False):  # never restart a program that called cli.main itself
+        # restart before the full config is built: building it imports torch (~2 s), which the restarted
+        # process would import again; the restarted process reports the config's errors
+        choice = _allocator_choice(args.recipe, overrides)
+        if choice is not None:
+            with contextlib.suppress(AllocatorError):  # reported below, after the config's own errors
+                reexec_under(choice)
+    from tandem.runtime.config import RunConfig
+
+    cfg = load_config(RunConfig, args.recipe, overrides)  # every error is reported before any work
 
     try:  # restarts this command under tcmalloc/jemalloc when one is installed (runtime.allocator)
         if getattr(args, "owns_process", False):  # never restart a program that called cli.main itself

@@ -50,7 +50,7 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["ALLOCATORS", "ENV", "AllocatorError", "active_allocator", "find_allocator", "reexec_under",
+__all__ = ["ALLOCATORS", "DEFAULT_CHOICE", "ENV", "AllocatorError", "active_allocator", "find_allocator", "reexec_under",
            "note_allocator", "resolve_allocator", "set_mmap_threshold"]
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ _MAX = 32 << 20  # glibc refuses a threshold above HEAP_MAX_SIZE / 2 (32 MiB on 
 
 # preference order of ``auto``; file names of the shared libraries (Debian's packages)
 ALLOCATORS = {"tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"), "jemalloc": ("libjemalloc.so.2",)}
+DEFAULT_CHOICE = "auto"  # runtime.allocator's default (`tandem train` reads it before the config is built)
 DIRS_ENV = "TANDEM_ALLOCATOR_DIRS"
 _REEXEC_ENV = "TANDEM_ALLOCATOR_REEXEC"  # set in the restarted process: never restart twice
 _SYSTEM_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib", "/usr/local/lib")

@@ -22,6 +22,7 @@ from tandem.rewards.hub import RewardConfig
 from tandem.rollout.agent import AgentConfig
 from tandem.rollout.data import DataConfig
 from tandem.rollout.generate import SamplingConfig
+from tandem.runtime.allocator import DEFAULT_CHOICE
 from tandem.runtime.evaluation import EvalConfig
 from tandem.runtime.tracking import TrackingConfig
 from tandem.sync.base import SyncConfig
@@ -117,7 +118,7 @@ class RuntimeConfig:
     max_skipped_steps: int = 5
     # host allocator (tandem/runtime/allocator.py): auto = tcmalloc, else jemalloc, else glibc; `tandem train`
     # restarts itself with the library preloaded (a library use of Run keeps the one it started with)
-    allocator: Literal["auto", "glibc", "tcmalloc", "jemalloc"] = "auto"
+    allocator: Literal["auto", "glibc", "tcmalloc", "jemalloc"] = DEFAULT_CHOICE
     # glibc malloc: freed tensors of at least this many bytes go back to the system at once instead of
     # staying resident in malloc's arenas (tandem/runtime/allocator.py: lower peak RSS, slower CPU steps);
     # 0: glibc's dynamic default

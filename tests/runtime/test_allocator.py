@@ -113,3 +113,46 @@ def test_a_program_calling_cli_main_is_never_restarted(tmp_path):
     assert main(["train", "recipes/tiny/grpo-sync.yaml", "run.steps=1", "eval.sets=[]",
                  "--run-dir", str(tmp_path / "run"), "--quiet"]) == 0
     assert active_allocator() == before
+
+
+def test_the_restart_reads_the_allocator_without_importing_torch(tmp_path):
+    """`tandem train` restarts before it builds the config (which imports torch, ~2 s the restarted process
+    would spend again): the early read gives the recipe's and the overrides' choice, the default without a
+    `runtime` section, and None (left to the full build to report) for what it cannot read."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("model: {name: tiny-qwen3}\nruntime: {allocator: glibc}\n")
+    bare = tmp_path / "bare.yaml"
+    bare.write_text("model: {name: tiny-qwen3}\n")
+    probe = (
+        "import json, sys\n"
+        "from tandem.commands.train import _allocator_choice\n"
+        f"r, b = {str(recipe)!r}, {str(bare)!r}\n"
+        "out = [_allocator_choice(r, []), _allocator_choice(r, ['runtime.allocator=tcmalloc']),\n"
+        "       _allocator_choice(b, []), _allocator_choice(b, ['runtime=3']), _allocator_choice(r + 'x', []),\n"
+        "       _allocator_choice(b, ['runtime.allocator=[1]'])]\n"
+        "print(json.dumps({'choices': out, 'torch': 'torch' in sys.modules}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"choices": ["glibc", "tcmalloc", "auto", None, None, None], "torch": False}
+    from tandem.runtime.allocator import DEFAULT_CHOICE
+    from tandem.runtime.config import RuntimeConfig
+
+    assert RuntimeConfig().allocator == DEFAULT_CHOICE == "auto"
+
+
+@pytest.mark.skipif(TCMALLOC is None, reason="tcmalloc not fetched (make allocator: needs apt-get)")
+def test_a_bad_recipe_is_still_one_error_line_after_the_early_restart(tmp_path):
+    import os
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("LD_PRELOAD", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "tandem", "train", "recipes/tiny/grpo-sync.yaml", "run.stepz=1",
+         "--run-dir", str(tmp_path / "run"), "--quiet"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert out.returncode == 2, out.stderr[-2000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("tandem: error:")]
+    assert len(errors) == 1 and "run.stepz" in errors[0], out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and not (tmp_path / "run").exists()

@@ -11,6 +11,7 @@ Merging follows peft's own arithmetic (``LoraLayer.get_delta_weight`` then ``mer
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -54,6 +55,8 @@ def apply_lora(lm: nn.Module, cfg: LoRAConfig) -> nn.Module:
 
 
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    if "peft" not in sys.modules:  # no adapter exists before peft is loaded: spares a plain run its import
+        return {}
     from peft.tuners.lora import LoraLayer
 
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
