@@ -150,7 +150,9 @@ def _rope_inv_freq(args: TransformerArgs) -> tuple[torch.Tensor, float]:
     if rope_type == "default":
         base = params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))
         d = args.head_dim
-        return 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float) / d)), 1.0
+        # on the CPU even under a meta device: arange on meta goes through a Python reference whose first
+        # call imports torch._dynamo (~0.9 s a process); the loaded model sets these again anyway
+        return 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float, device="cpu") / d)), 1.0
     if rope_type == "dynamic":
         raise UnsupportedModelError("dynamic rope scaling is not supported (it changes with sequence length)")
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -366,7 +368,7 @@ class CausalLM(nn.Module):
 
         path = Path(path)
         args = TransformerArgs.from_hf_config(AutoConfig.from_pretrained(str(path)))
-        with torch.device("meta"):
+        with torch.device("meta"), _SkipInitOnMeta():
             model = cls(args)
         state: dict[str, torch.Tensor] = {}
         files = sorted(path.glob("*.safetensors"))
@@ -404,6 +406,22 @@ class CausalLM(nn.Module):
         cfg = self.args.hf_config.to_dict()
         cfg["torch_dtype"] = cfg["dtype"] = str(self.dtype).removeprefix("torch.")
         (path / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+
+
+class _SkipInitOnMeta(torch.overrides.TorchFunctionMode):
+    """Random initialisation of a meta tensor is a no-op: skip it. A meta tensor's ``normal_``/``uniform_``
+    runs through a Python reference whose first call imports torch._dynamo (~0.9 s in every process that
+    loads a model); the loaded checkpoint replaces every such tensor. Thread-local, as modes are."""
+
+    _SKIP = frozenset({torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.zero_, torch.Tensor.fill_})
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        target = args[0] if args else kwargs.get("tensor")  # torch.nn.init passes its tensor by name
+        if (isinstance(target, torch.Tensor) and target.is_meta
+                and (func in self._SKIP or getattr(func, "__module__", None) == "torch.nn.init")):
+            return target  # an initialiser fills its tensor in place and returns it
+        return func(*args, **kwargs)
 
 
 def num_params(model: nn.Module) -> int:

@@ -192,3 +192,33 @@ def test_tied_embedding_gradient_is_built_in_one_buffer():
         assert model.tied_grad_slot() is None  # no gradient, no slot
     model.model.embed_tokens.weight.requires_grad_(False)
     assert model.tied_grad_slot() is None
+
+
+def test_loading_skips_initialising_meta_tensors_only():
+    """`from_pretrained` builds the model on the meta device without running its initialisers there (a
+    meta `normal_` imports torch._dynamo, ~1 s in every engine process); real tensors still initialise."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, torch\n"
+        "from tandem.models import resolve_model\n"
+        "from tandem.models.transformer import CausalLM\n"
+        "m = CausalLM.from_pretrained(resolve_model('tiny-qwen3'))\n"
+        "assert not any(p.is_meta for p in m.parameters()) and not any(b.is_meta for b in m.buffers())\n"
+        "print('torch._dynamo' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
+
+    from tandem.models.transformer import _SkipInitOnMeta
+
+    with _SkipInitOnMeta():
+        torch.manual_seed(0)
+        real = torch.nn.Linear(16, 16)
+        emb = torch.nn.Embedding(8, 4)
+        with torch.device("meta"):
+            skipped = torch.nn.Linear(16, 16)
+    torch.manual_seed(0)
+    assert torch.equal(real.weight, torch.nn.Linear(16, 16).weight) and emb.weight.std() > 0.5
+    assert skipped.weight.is_meta
