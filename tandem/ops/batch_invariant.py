@@ -24,7 +24,8 @@ docs/inference.md):
 * **Matmul row count.** GEMM libraries take other code paths for products with few rows and round
   differently there. oneDNN (float32 and bfloat16, what ``F.linear`` runs in the mode, see
   tandem/ops/linear.py) gives every output row the same bits for any row count >= 2, any row
-  offset and any thread count; MKL's float32 SGEMM (the fallback, and the batched attention products)
+  offset and any thread count (bfloat16: with AVX-512 BF16 kernels; with AMX, where its rows are not
+  invariant, a bf16 product runs in float32 on the widened operands, `bf16_rows_invariant`); MKL's float32 SGEMM (the fallback, and the batched attention products)
   does so at exactly 4 or 8 rows and from 12 rows on. `invariant_linear` pads the rows of a small
   product up to such a count (`padded_rows`): a decode step of one sequence computes 2 (or 4) rows
   instead of 1, so the cost is a few extra rows, not fixed tiles.
@@ -58,6 +59,7 @@ from tandem.ops.linear import PackedOnlyWeight, PackedWeights, fast_linear, uses
 
 __all__ = [
     "KEY_TILE",
+    "bf16_rows_invariant",
     "InvariantVarlenAttention",
     "batch_invariant_mode",
     "group_queries",
@@ -109,6 +111,8 @@ def invariant_linear(
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     onednn = uses_onednn(x2, weight) or isinstance(weight, PackedOnlyWeight)
+    if onednn and _onednn_dtype(x2, weight) == torch.bfloat16 and not bf16_rows_invariant():
+        return _bf16_through_float32(x, weight, bias, packed)
     mp = max(m, 2) if onednn else padded_rows(m)
     if mp != m:
         x2 = F.pad(x2, (0, 0, 0, mp - m))
@@ -116,6 +120,52 @@ def invariant_linear(
     if mp != m:
         y = y[:m]
     return y.reshape(*lead, y.shape[-1])
+
+
+def _onednn_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+    if torch.is_autocast_enabled("cpu"):
+        return torch.get_autocast_dtype("cpu")
+    return weight.dtype
+
+
+_BF16_INVARIANT: list[bool] = []
+
+
+def bf16_rows_invariant() -> bool:
+    """Whether oneDNN's bfloat16 linear gives every output row the same bits for any row count >= 2 on this
+    CPU (probed once: a few products of SmolLM2's shapes, ~1 ms). It does with AVX-512 BF16 kernels; with AMX
+    (Sapphire Rapids and later) it picks tile shapes by row count and rows round differently (measured: rows
+    of 2-32 differ from the same rows in a 300-row product)."""
+    if not _BF16_INVARIANT:
+        _BF16_INVARIANT.append(_probe_bf16())
+    return _BF16_INVARIANT[0]
+
+
+def _probe_bf16() -> bool:
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad(), torch.autocast("cpu", enabled=False):
+        for n, k in ((1536, 576), (576, 1536), (192, 576)):
+            w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+            x = torch.randn(300, k, generator=g).to(torch.bfloat16)
+            if not uses_onednn(x, w):
+                return True  # bf16 takes F.linear here (no oneDNN bf16): the mode pads rows for MKL instead
+            full = fast_linear(x, w)
+            for m in (2, 3, 5, 17, 33, 64, 129):
+                if not torch.equal(fast_linear(x[7 : 7 + m], w), full[7 : 7 + m]):
+                    return False
+    return True
+
+
+def _bf16_through_float32(x, weight, bias, packed) -> torch.Tensor:
+    """A bfloat16 product where oneDNN's bf16 kernels are not row-invariant (`bf16_rows_invariant`): the
+    bf16 operands are widened to float32 (exactly), multiplied by the row-invariant float32 kernel and the
+    result rounded to bfloat16 once, as a bf16 GEMM with float32 accumulation does. The float32 copy of the
+    weight is made per product (and kept for backward in training): slower, the price of exact rollouts."""
+    if isinstance(weight, PackedOnlyWeight):
+        weight = packed[id(weight)].to_dense()
+    with torch.autocast("cpu", enabled=False):
+        wide = [t if t is None else t.to(torch.bfloat16).float() for t in (x, weight, bias)]
+        return invariant_linear(*wide).to(torch.bfloat16)
 
 
 def invariant_silu(x: torch.Tensor, inplace: bool = False) -> torch.Tensor:

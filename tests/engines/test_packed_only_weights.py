@@ -10,14 +10,15 @@ import torch.nn.functional as F
 
 from tandem.ops import native
 from tandem.ops.linear import CAN_PACK, ONEDNN_BF16, PackedOnlyWeight
-from tests.engines.torch_helpers import make_engine, prompts, requests
+from tests.engines.torch_helpers import AMX_BF16, make_engine, prompts, requests
 
 pytestmark = pytest.mark.skipif(not CAN_PACK or native.load("pack") is None,
                                 reason="no oneDNN packing or no C compiler: nothing is packed in place")
 
 SAMPLED = dict(temperature=0.9, max_new_tokens=12, seed=4)
-needs_bf16 = pytest.mark.skipif(not ONEDNN_BF16, reason="oneDNN has no bfloat16 linears on this CPU (AVX2 only): "
-                                                        "bf16 weights are not packed (test_an_avx2_cpu_...)")
+needs_bf16 = pytest.mark.skipif(not ONEDNN_BF16 or AMX_BF16,
+                                reason="oneDNN has no bfloat16 linears on this CPU (AVX2 only), or lays them out for "
+                                       "AMX: bf16 weights keep their plain copy (test_a_cpu_without_in_place_...)")
 
 
 def _outputs(engine, ps):
@@ -73,15 +74,17 @@ def test_a_float32_sync_lands_in_a_packed_only_bfloat16_engine():
         assert torch.equal(engine.named_weights()[name], value.to(torch.bfloat16))
 
 
-@pytest.mark.skipif(ONEDNN_BF16, reason="this CPU runs oneDNN bfloat16 linears: the bf16 cases above pack")
+@pytest.mark.skipif(ONEDNN_BF16 and not AMX_BF16,
+                    reason="this CPU packs bfloat16 weights in place: the bf16 cases above drop their plain copies")
 @pytest.mark.parametrize("deterministic", [False, True])
-def test_an_avx2_cpu_serves_bfloat16_from_plain_weights_as_an_engine_keeping_them(deterministic):
+def test_a_cpu_without_in_place_bf16_packing_serves_bfloat16_from_plain_weights(deterministic):
     """Without oneDNN bfloat16 (an AVX2-only CPU) a bf16 engine packs and drops nothing: it runs F.linear on its
-    plain weights, generates exactly as one told to keep them, and takes a sync and a sleep."""
+    plain weights. With AMX, oneDNN packs them (its own reorder) but none can be packed in place, so none drops its
+    plain copy. Either way it generates exactly as one told to keep them, and takes a sync and a sleep."""
     ps = prompts([6, 19, 11], seed=8)
     with make_engine(dtype="bfloat16", deterministic=deterministic) as lean, \
             make_engine(dtype="bfloat16", deterministic=deterministic, keep_plain_weights=True) as both:
-        assert not lean._packed and not _dropped(lean)
+        assert not _dropped(lean) and bool(lean._packed) == AMX_BF16
         assert lean.health()["plain_weight_bytes"] == both.health()["plain_weight_bytes"] > 0
         assert _outputs(lean, ps) == _outputs(both, ps)
         g = torch.Generator().manual_seed(3)

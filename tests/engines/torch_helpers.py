@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import time
+from pathlib import Path
 
 import torch
 
@@ -12,7 +13,19 @@ from tandem.engines.inference.torch import TorchEngine, TorchEngineConfig
 from tandem.models import ModelConfig
 from tandem.models.attention import MoERouting, VarlenAttention
 from tandem.ops import InvariantVarlenAttention, batch_invariant_mode
-from tandem.ops.linear import PackedOnlyWeight
+from tandem.ops.linear import ONEDNN_BF16, PackedOnlyWeight
+
+
+def _cpu_flag(flag: str) -> bool:
+    try:
+        return flag in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
+# oneDNN lays bfloat16 weights out for AMX tiles on such CPUs (Sapphire Rapids and later), a layout csrc/pack.c
+# does not write: there bf16 weights are packed by oneDNN's reorder and keep their plain copy
+AMX_BF16 = ONEDNN_BF16 and _cpu_flag("amx_bf16")
 
 STOP = 2  # <|im_end|> in every registry model
 

@@ -34,6 +34,23 @@ def test_linear_rows_do_not_depend_on_the_row_count(dtype, bias):
         assert torch.equal(F.linear(x[:6].view(2, 3, 576), weight, b).view(6, -1), full[:6])
 
 
+def test_a_bfloat16_training_forward_gives_the_rollout_bits_and_gradients():
+    """A trainer's bf16 forward under the mode (grad on) equals the engine's (no grad) row for row, whatever
+    path the CPU takes (oneDNN bf16, or float32 where its bf16 kernels are not row-invariant: AMX), and
+    backward runs through it."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(576, 1536, generator=g).bfloat16().requires_grad_()
+    x = torch.randn(40, 1536, generator=g).bfloat16().requires_grad_()
+    with batch_invariant_mode():
+        y = F.linear(x, weight)
+        with torch.no_grad():
+            rows = [F.linear(x[i : i + 1], weight) for i in range(40)]
+    assert y.dtype == torch.bfloat16 and torch.equal(torch.cat(rows), y.detach())
+    y.float().square().sum().backward()
+    assert x.grad.dtype == weight.grad.dtype == torch.bfloat16
+    assert torch.isfinite(x.grad.float()).all() and weight.grad.abs().sum() > 0
+
+
 def test_padded_rows_rule():
     assert [padded_rows(m) for m in (1, 3, 4, 5, 8, 9, 15, 16, 17, 100)] == [
         4,

@@ -8,6 +8,7 @@ import torch
 
 from tandem.ops import linear, native
 from tandem.ops.linear import CAN_PACK, ONEDNN_BF16, copy_and_repack, pack_into, pack_weight, repack
+from tests.engines.torch_helpers import AMX_BF16
 
 needs_native = pytest.mark.skipif(not CAN_PACK or native.load("pack") is None,
                                   reason="no oneDNN packing or no C compiler: oneDNN's reorder is used")
@@ -18,6 +19,8 @@ IN_PLACE_EVERYWHERE = {(1536, 576), (128, 576)}  # SmolLM2's MLP and a 128-row p
 BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not ONEDNN_BF16, reason="oneDNN has no bfloat16 linears on this CPU (AVX2 only): bf16 weights are not packed"))
 DTYPES = [torch.float32, BF16]
+NOT_AMX = pytest.mark.skipif(AMX_BF16, reason="oneDNN lays bfloat16 weights out for AMX tiles here, a layout "
+                                              "csrc/pack.c does not write: every bf16 pack falls back to its reorder")
 
 
 @needs_native
@@ -32,7 +35,7 @@ def test_in_place_pack_writes_onednn_bytes_into_the_same_tensor(shape, dtype):
     w.copy_(new)
     repack(packed, [w])
     in_place = linear._IN_PLACE[(shape, dtype, 32)]  # the probe's verdict for this CPU
-    assert in_place or shape not in IN_PLACE_EVERYWHERE
+    assert in_place or shape not in IN_PLACE_EVERYWHERE or (dtype == torch.bfloat16 and AMX_BF16)
     assert (packed[id(w)] is before) == in_place  # written in place, not a new tensor (or a new reorder)
     assert torch.equal(linear._raw(packed[id(w)]), linear._raw(pack_weight(new)))
     x = torch.randn(5, shape[1], generator=gen).to(dtype)
@@ -40,7 +43,7 @@ def test_in_place_pack_writes_onednn_bytes_into_the_same_tensor(shape, dtype):
 
 
 @needs_native
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=[*BF16.marks, NOT_AMX])])
 def test_copy_and_repack_updates_both_copies_in_one_pass(dtype):
     gen = torch.Generator().manual_seed(2)
     w = torch.randn(256, 96, generator=gen).to(dtype)
@@ -107,7 +110,8 @@ def test_a_weight_sync_into_a_packing_engine_matches_an_engine_built_on_the_new_
     before = dict(engine._packed)
     engine.update_weights(new, version=1)
     in_place = [k for k, v in before.items() if engine._packed[k] is v]
-    assert len(in_place) >= len(before) // 2  # the tiny model's shapes are mostly multiples of 64
+    if dtype == "float32" or not AMX_BF16:  # with AMX every bf16 weight is repacked by oneDNN's reorder
+        assert len(in_place) >= len(before) // 2  # the tiny model's shapes are mostly multiples of 64
     fresh.sleep()
     fresh.update_weights(new, version=1)
     fresh.wake_up()  # packs from scratch (oneDNN's reorder)
