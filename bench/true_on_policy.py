@@ -49,7 +49,7 @@ def _merge(a: dict, b: dict) -> dict:
 def run_mode(name: str, args, work: str) -> list[dict]:
     base = {
         "run": {"name": name, "steps": args.steps + args.warmup, "seed": 0, "save_every": 10_000},
-        "model": {"name": args.model},
+        "model": {"name": args.model, "dtype": args.dtype},
         "data": {"system_prompt": "You are a calculator. Answer with the number only."},
         "rollout": {"prompts_per_step": args.prompts, "n_samples_per_prompt": args.group,
                     "sampling": {"temperature": 1.0, "max_new_tokens": args.max_new_tokens}},
@@ -66,6 +66,9 @@ def run_mode(name: str, args, work: str) -> list[dict]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                   help="the model's dtype on both sides (bfloat16: on an AMX CPU the exact mode computes each bf16 "
+                        "product in float32, docs/inference.md)")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -75,7 +78,7 @@ def main() -> None:
     args = p.parse_args()
     load = os.getloadavg()[0]
     work = tempfile.mkdtemp(prefix="tandem-top-")
-    result: dict = {"model": args.model, "timed_steps": args.steps, "repeats": args.repeats,
+    result: dict = {"model": args.model, "dtype": args.dtype, "timed_steps": args.steps, "repeats": args.repeats,
                     "load_avg_start": round(load, 2)}
     rows: dict[str, list[list[dict]]] = {name: [] for name in MODES}
     for r in range(args.repeats):
