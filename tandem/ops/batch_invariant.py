@@ -24,8 +24,8 @@ docs/inference.md):
 * **Matmul row count.** GEMM libraries take other code paths for products with few rows and round
   differently there. oneDNN (float32 and bfloat16, what ``F.linear`` runs in the mode, see
   tandem/ops/linear.py) gives every output row the same bits for any row count >= 2, any row
-  offset and any thread count (bfloat16: with AVX-512 BF16 kernels; with AMX, where its rows are not
-  invariant, a bf16 product runs in float32 on the widened operands, `bf16_rows_invariant`); MKL's float32 SGEMM (the fallback, and the batched attention products)
+  offset and any thread count (bfloat16: with AVX-512 BF16 kernels; with AMX, where they are not, in
+  products of exactly `BF16_TILE` rows, `bf16_invariant_path`); MKL's float32 SGEMM (the fallback, and the batched attention products)
   does so at exactly 4 or 8 rows and from 12 rows on. `invariant_linear` pads the rows of a small
   product up to such a count (`padded_rows`): a decode step of one sequence computes 2 (or 4) rows
   instead of 1, so the cost is a few extra rows, not fixed tiles.
@@ -59,7 +59,8 @@ from tandem.ops.linear import PackedOnlyWeight, PackedWeights, fast_linear, uses
 
 __all__ = [
     "KEY_TILE",
-    "bf16_rows_invariant",
+    "BF16_TILE",
+    "bf16_invariant_path",
     "InvariantVarlenAttention",
     "batch_invariant_mode",
     "group_queries",
@@ -111,8 +112,11 @@ def invariant_linear(
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     onednn = uses_onednn(x2, weight) or isinstance(weight, PackedOnlyWeight)
-    if onednn and _onednn_dtype(x2, weight) == torch.bfloat16 and not bf16_rows_invariant():
-        return _bf16_through_float32(x, weight, bias, packed)
+    if onednn and _onednn_dtype(x2, weight) == torch.bfloat16 and (path := bf16_invariant_path()) != "native":
+        if path == "float32":
+            return _bf16_through_float32(x, weight, bias, packed)
+        y = _tiled(x2, weight, bias, packed)
+        return y.reshape(*lead, y.shape[-1])
     mp = max(m, 2) if onednn else padded_rows(m)
     if mp != m:
         x2 = F.pad(x2, (0, 0, 0, mp - m))
@@ -128,36 +132,56 @@ def _onednn_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-_BF16_INVARIANT: list[bool] = []
+BF16_TILE = 64  # rows per oneDNN bf16 product where its kernels pick paths by row count (AMX)
+_BF16_PATH: list[str] = []
 
 
-def bf16_rows_invariant() -> bool:
-    """Whether oneDNN's bfloat16 linear gives every output row the same bits for any row count >= 2 on this
-    CPU (probed once: a few products of SmolLM2's shapes, ~1 ms). It does with AVX-512 BF16 kernels; with AMX
-    (Sapphire Rapids and later) it picks tile shapes by row count and rows round differently (measured: rows
-    of 2-32 differ from the same rows in a 300-row product)."""
-    if not _BF16_INVARIANT:
-        _BF16_INVARIANT.append(_probe_bf16())
-    return _BF16_INVARIANT[0]
+def bf16_invariant_path() -> str:
+    """How the mode computes a oneDNN bfloat16 linear on this CPU, probed once per process (~20 ms: three of
+    SmolLM2's shapes, 7 row counts, 3 offsets):
+
+    * ``"native"``: oneDNN's bf16 rows are row-invariant for >= 2 rows (AVX-512 BF16 kernels): as float32;
+    * ``"tiled"``: they are not (AMX, Sapphire Rapids and later: rows of a 2-32-row product differ from the
+      same rows of a 300-row one), but a product of exactly `BF16_TILE` rows gives every row the same bits
+      whatever the other rows: the rows are computed in tiles of that many, the last padded with zeros;
+    * ``"float32"``: neither holds: each product runs in float32 on the widened operands (slower)."""
+    if not _BF16_PATH:
+        _BF16_PATH.append(_probe_bf16())
+    return _BF16_PATH[0]
 
 
-def _probe_bf16() -> bool:
+def _probe_bf16() -> str:
     g = torch.Generator().manual_seed(0)
+    native = tiled = True
     with torch.no_grad(), torch.autocast("cpu", enabled=False):
         for n, k in ((1536, 576), (576, 1536), (192, 576)):
             w = torch.randn(n, k, generator=g).to(torch.bfloat16)
             x = torch.randn(300, k, generator=g).to(torch.bfloat16)
             if not uses_onednn(x, w):
-                return True  # bf16 takes F.linear here (no oneDNN bf16): the mode pads rows for MKL instead
-            full = fast_linear(x, w)
+                return "native"  # bf16 takes F.linear here (no oneDNN bf16): the mode pads rows for MKL instead
+            full, full_tiled = fast_linear(x, w), _tiled(x, w, None, None)
             for m in (2, 3, 5, 17, 33, 64, 129):
-                if not torch.equal(fast_linear(x[7 : 7 + m], w), full[7 : 7 + m]):
-                    return False
-    return True
+                for start in (0, 7, 100):
+                    native = native and torch.equal(fast_linear(x[start : start + m], w), full[start : start + m])
+                    tiled = tiled and torch.equal(_tiled(x[start : start + m], w, None, None),
+                                                  full_tiled[start : start + m])
+    return "native" if native else "tiled" if tiled else "float32"
+
+
+def _tiled(x2: torch.Tensor, weight, bias, packed) -> torch.Tensor:
+    """``x2 [M, K]`` times the weight in products of exactly `BF16_TILE` rows (the last padded with zeros)."""
+    m = x2.shape[0]
+    mp = round_up(max(m, 1), BF16_TILE)
+    if mp != m:
+        x2 = F.pad(x2, (0, 0, 0, mp - m))
+    if mp == BF16_TILE:
+        return fast_linear(x2, weight, bias, packed=packed)[:m]
+    return torch.cat([fast_linear(x2[i : i + BF16_TILE], weight, bias, packed=packed)
+                      for i in range(0, mp, BF16_TILE)])[:m]
 
 
 def _bf16_through_float32(x, weight, bias, packed) -> torch.Tensor:
-    """A bfloat16 product where oneDNN's bf16 kernels are not row-invariant (`bf16_rows_invariant`): the
+    """A bfloat16 product where oneDNN's bf16 kernels are not row-invariant, tiled or not (`bf16_invariant_path`): the
     bf16 operands are widened to float32 (exactly), multiplied by the row-invariant float32 kernel and the
     result rounded to bfloat16 once, as a bf16 GEMM with float32 accumulation does. The float32 copy of the
     weight is made per product (and kept for backward in training): slower, the price of exact rollouts."""

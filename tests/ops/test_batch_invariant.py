@@ -34,10 +34,18 @@ def test_linear_rows_do_not_depend_on_the_row_count(dtype, bias):
         assert torch.equal(F.linear(x[:6].view(2, 3, 576), weight, b).view(6, -1), full[:6])
 
 
-def test_a_bfloat16_training_forward_gives_the_rollout_bits_and_gradients():
-    """A trainer's bf16 forward under the mode (grad on) equals the engine's (no grad) row for row, whatever
-    path the CPU takes (oneDNN bf16, or float32 where its bf16 kernels are not row-invariant: AMX), and
-    backward runs through it."""
+@pytest.mark.parametrize("path", ["probed", "tiled", "float32"])
+def test_a_bfloat16_training_forward_gives_the_rollout_bits_and_gradients(path, monkeypatch):
+    """A trainer's bf16 forward under the mode (grad on) equals the engine's (no grad) row for row, on the path
+    this CPU's probe picks (`bf16_invariant_path`: oneDNN bf16 as is; in fixed row tiles where its rows depend on
+    the row count, AMX) and on the other two where oneDNN runs bf16, and backward runs through it."""
+    from tandem.ops import batch_invariant
+    from tandem.ops.linear import ONEDNN_BF16
+
+    if path != "probed":
+        if not ONEDNN_BF16:
+            pytest.skip("no oneDNN bfloat16 on this CPU: bf16 products take F.linear, padded as float32's")
+        monkeypatch.setattr(batch_invariant, "_BF16_PATH", [path])
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(576, 1536, generator=g).bfloat16().requires_grad_()
     x = torch.randn(40, 1536, generator=g).bfloat16().requires_grad_()
