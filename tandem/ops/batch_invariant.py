@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from tandem.ops.linear import PackedOnlyWeight, PackedWeights, fast_linear, uses_onednn
+from tandem.ops.linear import PackedOnlyWeight, PackedWeights, _compute_dtype, fast_linear, uses_onednn
 
 __all__ = [
     "KEY_TILE",
@@ -112,7 +112,7 @@ def invariant_linear(
     x2 = x.reshape(-1, k)
     m = x2.shape[0]
     onednn = uses_onednn(x2, weight) or isinstance(weight, PackedOnlyWeight)
-    if onednn and _onednn_dtype(x2, weight) == torch.bfloat16 and (path := bf16_invariant_path()) != "native":
+    if onednn and _compute_dtype(x2, weight) == torch.bfloat16 and (path := bf16_invariant_path()) != "native":
         if path == "float32":
             return _bf16_through_float32(x, weight, bias, packed)
         y = _tiled(x2, weight, bias, packed)
@@ -126,18 +126,12 @@ def invariant_linear(
     return y.reshape(*lead, y.shape[-1])
 
 
-def _onednn_dtype(x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled("cpu"):
-        return torch.get_autocast_dtype("cpu")
-    return weight.dtype
-
-
 BF16_TILE = 64  # rows per oneDNN bf16 product where its kernels pick paths by row count (AMX)
 _BF16_PATH: list[str] = []
 
 
 def bf16_invariant_path() -> str:
-    """How the mode computes a oneDNN bfloat16 linear on this CPU, probed once per process (~20 ms: three of
+    """How the mode computes a oneDNN bfloat16 linear on this CPU, probed once per process (~50 ms: three of
     SmolLM2's shapes, 7 row counts, 3 offsets):
 
     * ``"native"``: oneDNN's bf16 rows are row-invariant for >= 2 rows (AVX-512 BF16 kernels): as float32;
