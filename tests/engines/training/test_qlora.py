@@ -3,6 +3,8 @@ embedded engine serves the same bits, so the exact contract holds."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from pathlib import Path
 
 import pytest
@@ -108,3 +110,23 @@ def test_qlora_needs_an_engine_that_serves_the_quantized_base(tmp_path):
         Run(_run_cfg("inference.torch.quantization={format: int4_sym, group_size: 32}"), tmp_path / "a")
     with pytest.raises(ConfigError, match="quantize_activations"):
         _run_cfg("trainer.fsdp.lora.quantize_base.quantize_activations=true")
+
+
+def test_quantizing_the_base_frees_each_float_weight_without_waiting_for_the_garbage_collector():
+    from tandem.engines.training.fsdp.lora import apply_lora
+    from tandem.engines.training.fsdp.qlora import quantize_base
+
+    torch.manual_seed(0)
+    lm = load_model("tiny-llama")
+    apply_lora(lm, LoRAConfig(rank=4, alpha=8, target_modules=["q_proj", "v_proj"]))
+    weights = [weakref.ref(m.weight) for n, m in lm.named_modules()
+               if isinstance(m, nn.Linear) and ".lora_" not in n and "lm_head" not in n]
+    gc.collect()
+    gc.disable()  # only reference counting frees them: a reference cycle would keep them alive here
+    try:
+        targets = quantize_base(lm, FP8, output_module="lm_head")
+        assert targets and len(weights) >= len(targets)
+        alive = [r() for r in weights if r() is not None]
+        assert not alive, f"{len(alive)} replaced float weights still alive"
+    finally:
+        gc.enable()
