@@ -29,6 +29,7 @@ __all__ = [
     "EngineError",
     "EngineInfo",
     "FinishReason",
+    "FrozenBase",
     "FrozenWeights",
     "GenerationRequest",
     "GenerationResult",
@@ -335,12 +336,16 @@ class SharesWeights(Protocol):
                       quantized: Iterable[tuple[str, Mapping[str, torch.Tensor]]] = ()) -> dict[str, float]: ...
 
 
+# A trainer's frozen base as it holds it: (HF name, tensor), and (HF name of a weight, its quantized tensors)
+FrozenBase = tuple[list[tuple[str, torch.Tensor]], list[tuple[str, dict[str, torch.Tensor]]]]
+
+
 @runtime_checkable
 class FrozenWeights(Protocol):
     """A training engine that hands out the frozen tensors it holds whole in this process (a LoRA base), uncopied:
     HF-named plain tensors, and (HF name, quantized tensors) of a quantized base. It never writes them."""
 
-    def frozen_weights(self) -> tuple[list[tuple[str, torch.Tensor]], list[tuple[str, dict[str, torch.Tensor]]]]: ...
+    def frozen_weights(self) -> FrozenBase: ...
 
 
 @dataclass(kw_only=True, slots=True)

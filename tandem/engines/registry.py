@@ -16,6 +16,8 @@ An `EngineEntry` says everything the rest of Tandem needs to know about an engin
 * ``describe(config) -> TrainerFacts`` (training): what its config implies for the inference side;
 * ``hints``: the setting that turns on a capability, quoted in contract errors;
 * ``gpus(config)``: the GPUs one instance needs (a Ray bundle's size: e.g. the tensor-parallel size);
+* ``takes_base``: its factory takes ``base=`` (a colocated trainer's frozen LoRA base, `FrozenBase`) and holds
+  it from the start instead of reading its own copy from the model files;
 * ``contracts``: true-on-policy contracts (tandem.core.contracts) for pairs this engine belongs to.
 
 Built-in entries live in each adapter folder (``tandem/engines/<kind>/<name>/entry.py``) and are
@@ -191,6 +193,7 @@ class EngineEntry:
     contracts: tuple[PairContract, ...] = ()
     install: str | None = None  # what to install when the factory's module does not import
     gpus: Callable[[Any], float] | None = None  # GPUs one instance needs with this config (Ray bundles)
+    takes_base: bool = False  # factory(config, base=FrozenBase): built on a colocated trainer's frozen base
 
     def __post_init__(self) -> None:
         if not self.name.isidentifier():

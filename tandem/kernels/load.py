@@ -55,10 +55,12 @@ class DequantizeOnLoad:
     @torch.no_grad()
     def apply(self, model: nn.Module) -> None:
         """Put every targeted weight of ``model`` on the grid, in place (storage kept), and hook the
-        targeted linears' inputs when ``quantize_activations`` is set."""
+        targeted linears' inputs when ``quantize_activations`` is set. A weight on the meta device (its
+        values come from quantized tensors, already on the grid) is left to its owner."""
         for name in self.modules:
             weight = model.get_submodule(name).weight
-            weight.copy_(fake_quantize_weight(weight.detach(), self.cfg))
+            if not weight.is_meta:
+                weight.copy_(fake_quantize_weight(weight.detach(), self.cfg))
         self.hooks = quantize_linear_inputs(model, self.cfg, self.modules)
 
     def unpack(self, named: NamedList, dtype: torch.dtype) -> NamedList:

@@ -18,6 +18,7 @@ cast, router softmax in float32) so logits match HF to rounding.
 from __future__ import annotations
 
 import json
+from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -360,29 +361,46 @@ class CausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+        cls, path: str | Path, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+        given: Mapping[str, torch.Tensor] | None = None, unallocated: Container[str] = (),
     ) -> CausalLM:
-        """Load an HF folder (config.json + *.safetensors) into the native implementation."""
-        from safetensors.torch import load_file
+        """Load an HF folder (config.json + *.safetensors) into the native implementation.
+
+        Each tensor is read into memory of its own, one at a time (`read_safetensors`: no memory map, so the
+        load costs the model, not the model plus the file). ``given``: HF-named tensors to hold as they are
+        instead of reading the file's (a colocated trainer's frozen base): used where the shape, dtype and
+        device are the model's, else the file's tensor is read. ``unallocated``: names left on the meta device
+        (not read) for the caller to fill."""
         from transformers import AutoConfig
+
+        from tandem.models.safetensors_read import read_safetensors
 
         path = Path(path)
         args = TransformerArgs.from_hf_config(AutoConfig.from_pretrained(str(path)))
         with torch.device("meta"), _SkipInitOnMeta():
             model = cls(args)
-        state: dict[str, torch.Tensor] = {}
         files = sorted(path.glob("*.safetensors"))
         if not files:
             raise FileNotFoundError(f"no *.safetensors files in {path}")
+        expected = model.hf_state_dict()
+        device = torch.device(device)
+        state: dict[str, torch.Tensor] = {}
+        for name, t in (given or {}).items():
+            want = expected.get(name)
+            if (want is not None and t.shape == want.shape and t.dtype == dtype and t.is_contiguous()
+                    and t.device.type == device.type):
+                state[name] = t.detach()
+        for name in unallocated:
+            if name in expected and name not in state:
+                state[name] = expected[name]  # the meta model's own tensor
+        tied = args.tie_word_embeddings
         for f in files:
-            state.update(load_file(str(f), device=str(device)))
-        # copies of our own: load_file's tensors can be views of the file's memory map, at the header's
-        # offset (misaligned for vector loads and streaming stores; copy-on-write faults at the first sync)
-        state = {k: v.to(dtype, copy=True) for k, v in state.items()}
+            skip = lambda n: n in state or (tied and n == "lm_head.weight")  # noqa: E731
+            for name, t in read_safetensors(f, dtype=dtype, skip=skip):
+                state[name] = t.to(device)
         if args.tie_word_embeddings:
             state.pop("lm_head.weight", None)
-        expected = set(model.hf_state_dict())
-        missing, unexpected = expected - set(state), set(state) - expected
+        missing, unexpected = set(expected) - set(state), set(state) - set(expected)
         if missing or unexpected:
             raise ValueError(
                 f"{path}: checkpoint does not match {args.model_type}: missing {sorted(missing)[:5]}, "

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config import ConfigError
-from tandem.core.protocols import EngineInfo
+from tandem.core.protocols import EngineInfo, FrozenBase
 from tandem.core.schedulers import lr_multiplier
 from tandem.engines.registry import EngineEntry, EngineSpec, RunFacts, Unsupported
 from tandem.plugins import PluginError
@@ -113,10 +113,16 @@ def build_training_engine(cfg: RunConfig, plan: EnginePlan | None = None):
     return _build(training_engine_spec(cfg, plan), (plan or plan_engines(cfg)).trainer)
 
 
-def build_inference_engine(cfg: RunConfig, plan: EnginePlan | None = None):
-    """The engine in this process (colocated placement)."""
+def build_inference_engine(cfg: RunConfig, plan: EnginePlan | None = None, *, base: FrozenBase | None = None):
+    """The engine in this process (colocated placement). ``base``: a colocated trainer's frozen base
+    (`tandem.sync.inprocess.frozen_base`) that an engine whose entry ``takes_base`` holds from the start instead
+    of reading its own copy (`tandem.sync.inprocess.share_frozen_base` then shares what is left); others
+    ignore it."""
     plan = plan or plan_engines(cfg)
-    return _build(inference_engine_spec(cfg, plan), plan.engine)
+    spec = inference_engine_spec(cfg, plan)
+    if base and plan.engine.takes_base:
+        spec = dataclasses.replace(spec, kwargs={**spec.kwargs, "base": base})
+    return _build(spec, plan.engine)
 
 
 def _build(spec: EngineSpec, entry: EngineEntry):

@@ -18,13 +18,13 @@ from typing import Any
 
 import torch
 
-from tandem.core.protocols import FrozenWeights, SharesWeights
+from tandem.core.protocols import FrozenBase, FrozenWeights, SharesWeights
 from tandem.kernels.config import QuantConfig
 from tandem.sync.apply import WeightApplier
 from tandem.sync.base import NamedList, SyncError, sync_metrics, tensor_hashes
 from tandem.sync.verify import check_reports
 
-__all__ = ["InProcessSync", "share_frozen_base"]
+__all__ = ["InProcessSync", "frozen_base", "share_frozen_base"]
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +61,15 @@ class InProcessSync:
 
     def close(self) -> None:
         pass
+
+
+def frozen_base(trainer: Any) -> FrozenBase | None:
+    """``trainer``'s frozen base as it holds it (`FrozenWeights`; None for any other trainer or an empty one), for
+    an engine to be built on (`tandem.runtime.builders.build_inference_engine`'s ``base``)."""
+    if not isinstance(trainer, FrozenWeights):
+        return None
+    plain, quantized = trainer.frozen_weights()
+    return (plain, quantized) if plain or quantized else None
 
 
 def share_frozen_base(trainer: Any, engine: Any) -> dict[str, float]:

@@ -12,6 +12,8 @@ import torch
 
 from tandem.config import load_config
 from tandem.core.protocols import FrozenWeights, SharesWeights
+from tandem.engines.inference.torch.config import TorchEngineConfig
+from tandem.engines.inference.torch.engine import TorchEngine
 from tandem.engines.inference.torch.weights import AsleepQuantizedWeight
 from tandem.engines.training.fsdp import FSDPConfig, FSDPEngine, OptimizerConfig
 from tandem.engines.training.fsdp.lora import hf_tensors
@@ -171,3 +173,94 @@ def test_a_colocated_lora_run_shares_its_base_and_learns_exactly_as_without(tmp_
     assert shared > 0 and own == 0
     keys = ["reward/mean", "train/loss", "train/grad_norm", "train_rollout_logprob_abs_diff/max", "sync/bytes"]
     assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in own_rows]
+
+
+def _built_on(base, **kw) -> TorchEngine:
+    """An engine built on a trainer's frozen base (``base=``), as a colocated LoRA run builds it."""
+    return TorchEngine(TorchEngineConfig(model=ModelConfig(name="tiny-llama"), max_num_seqs=8, max_model_len=256,
+                                         **kw), base=base)
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_an_engine_built_on_the_trainers_base_holds_its_memory_from_the_start_and_serves_what_its_own_copy_serves(
+        deterministic):
+    trainer = _trainer()
+    plain, quantized = base = trainer.frozen_weights()
+    own, built = make_engine(lora_alpha=8.0, deterministic=deterministic), _built_on(
+        base, lora_alpha=8.0, deterministic=deterministic)
+    params = dict(built.model.named_parameters(remove_duplicate=False))
+    for name, t in plain:  # never a copy of its own, not even while it was built
+        assert params[name].data_ptr() == t.data_ptr(), name
+    assert built.health()["shared_weight_bytes"] == sum(t.numel() * t.element_size() for _, t in plain)
+    assert built.share_weights(plain) == {"shared_tensors": len(plain), "shared_mib": pytest.approx(
+        sum(t.numel() * t.element_size() for _, t in plain) / 2**20), "quantized_tensors": 0, "quantized_mib": 0,
+        "skipped": 0}  # what the run's share_frozen_base then reports: all of it held already
+    ps = prompts([5, 9, 14])
+    frozen_before = {n: t.clone() for n, t in plain}
+    for step in (1, 2):  # a colocated run: adapter-only sync, generate, sleep, the trainer steps, wake
+        for engine in (own, built):
+            engine.load_lora_adapter(_adapters(trainer), version=step)
+        assert _outputs(built, ps) == _outputs(own, ps)
+        for engine in (own, built):
+            engine.sleep()
+        trainer.train_step(make_batch(), token_mean_pg)
+        for engine in (own, built):
+            engine.wake_up()
+    assert all(torch.equal(t, frozen_before[n]) for n, t in plain)  # nothing wrote the base
+    trainer.close()
+
+
+def test_base_tensors_of_another_shape_or_dtype_are_read_from_the_model_files_instead():
+    own = make_engine()
+    weights = {n: t.clone() for n, t in own.named_weights().items()}
+    name, other = "model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.up_proj.weight"
+    built = _built_on(([(name, weights[name].double()), (other, weights[other].t().contiguous()),
+                        ("model.norm.weight", weights["model.norm.weight"])], []))
+    assert built.health()["shared_weight_bytes"] == weights["model.norm.weight"].numel() * 4
+    after = built.named_weights()
+    assert all(torch.equal(after[n], t) for n, t in weights.items())
+
+
+def test_a_quantized_engine_built_on_the_qlora_trainers_base_holds_its_quantized_tensors_awake():
+    trainer = _trainer(quantize_base=FP8)
+    plain, quantized = base = trainer.frozen_weights()
+    own, built = make_engine(lora_alpha=8.0, quantization=FP8), _built_on(base, lora_alpha=8.0, quantization=FP8)
+    params = dict(built.model.named_parameters(remove_duplicate=False))
+    for name, tensors in quantized:  # held on the trainer's tensors from the start: no float copy, none quantized
+        assert type(params[name]) is AsleepQuantizedWeight, name
+        held = built._asleep[id(params[name])][2]
+        assert all(held[k].data_ptr() == t.data_ptr() for k, t in tensors.items()), name
+    health, own_health = built.health(), own.health()
+    assert health["plain_weight_bytes"] < own_health["plain_weight_bytes"]
+    assert health["packed_weight_bytes"] == own_health["packed_weight_bytes"]
+    out = built.share_weights(plain, quantized)  # the run's share_frozen_base: nothing restored, nothing skipped
+    assert out["quantized_tensors"] == len(quantized) and out["skipped"] == 0
+    assert all(type(params[n]) is AsleepQuantizedWeight for n, _ in quantized)
+    ps = prompts([5, 9, 14])
+    for step in (1, 2):
+        for engine in (own, built):
+            engine.load_lora_adapter(_adapters(trainer), version=step)
+        assert _outputs(built, ps) == _outputs(own, ps)
+        for engine in (own, built):
+            engine.sleep()
+        for engine in (own, built):
+            engine.wake_up()
+    assert torch.equal(built.named_weights()[quantized[0][0]], own.named_weights()[quantized[0][0]])
+    trainer.close()
+
+
+def test_quantized_base_tensors_the_engine_cannot_hold_are_refused_at_build():
+    trainer = _trainer(quantize_base=FP8)
+    plain, quantized = trainer.frozen_weights()
+    other = QuantConfig(format="fp8_block", block_size=(16, 16))
+    with pytest.raises(ValueError, match=r"dequantize to shape|not fp8_block's"):  # another grid's tensors
+        _built_on((plain, quantized), lora_alpha=8.0, quantization=other)
+    names = [n for n, _ in quantized]
+    assert any("v_proj" in n for n in names) and any("v_proj" not in n for n in names)
+    only_v = QuantConfig(format="fp8_block", block_size=(32, 32), target_modules=["v_proj"])
+    with pytest.raises(ValueError, match=r"base: quantized tensors for \S+ which this engine does not quantize"):
+        _built_on((plain, quantized), lora_alpha=8.0, quantization=only_v)
+    unquantized = _built_on((plain, quantized))  # an engine without quantization: the files' weights
+    weights, files = unquantized.named_weights(), make_engine().named_weights()
+    assert all(torch.equal(weights[n], t) for n, t in files.items())
+    trainer.close()

@@ -42,6 +42,7 @@ from tandem.core.protocols import (
     EngineClosedError,
     EngineInfo,
     FinishReason,
+    FrozenBase,
     GenerationRequest,
     GenerationResult,
     SamplingParams,
@@ -77,18 +78,27 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
     """Batched generation with a KV cache, log-probs, live weight updates, LoRA adapters served unmerged
     (`tandem.engines.inference.torch.lora`) and a batch-invariant mode."""
 
-    def __init__(self, config: TorchEngineConfig, *, model: CausalLM | None = None) -> None:
+    def __init__(self, config: TorchEngineConfig, *, model: CausalLM | None = None,
+                 base: FrozenBase | None = None) -> None:
+        """``base``: what a colocated trainer keeps frozen and never writes (a LoRA base: its ``frozen_weights()``,
+        (HF name, tensor) and, of a QLoRA base, (HF name, quantized tensors)), held from the start instead of
+        read from the model files: the plain tensors as those weights (those of another shape, dtype or device
+        are read; copy-on-write as with `share_weights`), the quantized ones, where ``quantization`` targets the
+        weight, as the weight held quantized (dequantized one at a time to pack; their values are the trainer's)."""
         self.config = config
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         device = torch.device(config.device)
         self._owns_model = model is None  # a caller's model keeps its plain weights (`_drop_plain`)
+        plain, quantized = base if base is not None and model is None else ((), ())
+        given = {name: t.detach() for name, t in plain}
+        held = {name: {k: v.detach() for k, v in ts.items()} for name, ts in quantized} if config.quantization else {}
         if model is None:
             if config.model is None:
                 raise ValueError("TorchEngineConfig.model is None: name the model (or pass model=)")
             model = CausalLM.from_pretrained(
-                resolve_model(config.model.name), dtype=config.model.torch_dtype, device=device
-            )
+                resolve_model(config.model.name), dtype=config.model.torch_dtype, device=device, given=given,
+                unallocated=held.keys())
         self.model = model.eval().requires_grad_(False)
         install_fast_linears(self.model)  # its linears honour fast_linear_scope (each step's numerics)
         args = self.model.args
@@ -99,6 +109,7 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
             )
         self._quant = DequantizeOnLoad(self.model, config.quantization) if config.quantization else None
         if self._quant is not None:
+            self._own_given(given, self._quant.weight_names)  # apply writes them in place: copies of its own
             self._quant.apply(self.model)  # the model files' weights, quantized then dequantized
         # deterministic attention reads keys in whole tiles, so slots are whole tiles long
         slot_len = round_up(config.max_model_len, KEY_TILE) if config.deterministic else config.max_model_len
@@ -131,7 +142,11 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
         self._asleep: dict[int, tuple] = {}  # weights a quantized engine holds quantized since it slept (weights.py)
         self._shared: set[int] = set()  # weights that view a colocated trainer's frozen tensors (share_weights)
         self._frozen_quant: dict[int, dict] = {}  # weight id -> a QLoRA trainer's quantized tensors of it
+        self._hold_given(given, held)
+        if not self._packs():
+            self._restore_asleep()  # weights held quantized stay so only where the steps read packed copies
         self._pack()
+        self._restore_asleep(keep=self._packed)  # as wake_up: any the packing did not cover gets its plain copy
         self._version = 0
         self._seed_rng = random.Random(config.seed)
         self._sleeping = False

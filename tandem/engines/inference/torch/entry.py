@@ -52,4 +52,5 @@ ENTRY = EngineEntry(
                             "lora_adapters"}),
     hints={"engine_deterministic": "inference.torch.deterministic: true"},
     gpus=lambda config: 1.0 if config.device == "cuda" else 0.0,
+    takes_base=True,  # TorchEngine(config, base=...): a colocated LoRA run's engine reads no base of its own
 )

@@ -92,6 +92,12 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.device == b.device and torch.equal(a, b)
 
 
+def _same_tensors(a: Mapping[str, torch.Tensor] | None, b: Mapping[str, torch.Tensor]) -> bool:
+    """Whether ``a`` and ``b`` hold the same tensors (the same memory under the same names)."""
+    return a is not None and a.keys() == b.keys() and all(
+        a[k].data_ptr() == b[k].data_ptr() and a[k].shape == b[k].shape for k in a)
+
+
 def _copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
     """Copy ``source`` into ``target`` in place. Same-dtype CPU tensors under 8 MiB go through numpy:
     measured under load, 272 per-tensor torch ``copy_`` calls (each an OpenMP region) ran at 2.6 GB/s
@@ -279,7 +285,14 @@ class WeightMethods:
     def _held_value(self, key: int) -> torch.Tensor:
         """The values of a weight held quantized (``_asleep[key]``), dequantized into a new tensor."""
         name, w, tensors = self._asleep[key]
-        return dequantize_tensor(name, tensors, self._quant.cfg, w.dtype)
+        try:
+            value = dequantize_tensor(name, tensors, self._quant.cfg, w.dtype)
+        except (KeyError, ValueError, RuntimeError) as e:  # tensors given at build (`_hold_given`) of another format
+            raise ValueError(f"{name}: its quantized tensors are not {self._quant.cfg.format}'s: {e}") from None
+        if value.shape != w.shape:
+            raise ValueError(f"{name}: its quantized tensors dequantize to shape {tuple(value.shape)}, the weight "
+                             f"is {tuple(w.shape)}")
+        return value
 
     def _fold_base(self, weight: torch.Tensor) -> torch.Tensor:
         """The base values an adapter fold starts from: a weight held quantized stays so where the steps read
@@ -287,6 +300,37 @@ class WeightMethods:
         if id(weight) in self._asleep and self._packs():
             return self._held_value(id(weight))
         return self._plain(weight)
+
+    def _own_given(self, given: dict[str, torch.Tensor], names: Container[str]) -> None:
+        """Give each weight named in ``names`` that views a tensor of ``given`` (the ``base`` it was built on) a
+        copy of its own, and forget it in ``given``: it is about to be written."""
+        for name in [n for n in given if n in names]:
+            t = given.pop(name)
+            w = self.model.get_parameter(name)
+            if w.data_ptr() == t.data_ptr():
+                torch.utils.swap_tensors(w, torch.nn.Parameter(t.clone(), requires_grad=False))
+
+    def _hold_given(self, given: Mapping[str, torch.Tensor], held: Mapping[str, dict[str, torch.Tensor]]) -> None:
+        """Record what the engine was built on (a colocated trainer's frozen base, the ``base`` of ``__init__``)
+        as `share_weights` would: the weights that view a tensor of ``given`` as shared (copy-on-write, their
+        plain copy kept: it costs nothing); each weight left unallocated for ``held`` (quantized tensors) as held
+        quantized on them, as a sleeping engine holds it (`_quantize_asleep`): `_pack` packs it from its values.
+        Raises ValueError for quantized tensors of a weight this engine does not quantize (`_held_value`, for
+        tensors of another format or shape, when `_pack` or `_restore_asleep` first reads them)."""
+        for name, w in self._weights.items():
+            t = given.get(name)
+            if t is not None and w.data_ptr() == t.data_ptr():
+                self._shared.add(id(w))
+                self._plain_needed.add(id(w))
+        for name, tensors in held.items():
+            w = self._weights.get(name)
+            if w is None or not w.is_meta or self._quant is None or name not in self._quant.weight_names:
+                raise ValueError(f"base: quantized tensors for {name} which this engine does not quantize "
+                                 f"(quantization={self.config.quantization})")
+            self._asleep[id(w)] = (name, w, tensors)
+            self._frozen_quant[id(w)] = tensors
+            torch.utils.swap_tensors(w, AsleepQuantizedWeight(
+                torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False))
 
     @torch.no_grad()
     def share_weights(self, named: Iterable[tuple[str, torch.Tensor]],
@@ -304,17 +348,23 @@ class WeightMethods:
                "skipped": 0.0}
         with self._between_steps():
             self._check_weights_held("share_weights()")
-            self._restore_asleep()
+            self._restore_asleep(keep=self._frozen_quant)  # held on the trainer's tensors already: they stay so
+            counted: set[int] = set()  # storages counted (a tied alias, weights built on them: `_hold_given`)
             for name, tensor in named:
                 w = self._weights.get(name)
                 t = tensor.detach()
                 if w is not None and id(w) in self._shared and w.data_ptr() == t.data_ptr():
-                    continue  # a tied alias, already shared
-                if (w is None or id(w) in self._shared or t.shape != w.shape or t.dtype != w.dtype
-                        or not t.is_contiguous() or not _equal(self._value(w), t)):
+                    if t.data_ptr() not in counted:  # already held: built on it, or a tied alias
+                        counted.add(t.data_ptr())
+                        out["shared_tensors"] += 1
+                        out["shared_mib"] += t.numel() * t.element_size() / 2**20
+                    continue
+                if (w is None or id(w) in self._shared or id(w) in self._asleep or t.shape != w.shape
+                        or t.dtype != w.dtype or not t.is_contiguous() or not _equal(self._value(w), t)):
                     out["skipped"] += 1
                     continue
                 torch.utils.swap_tensors(w, torch.nn.Parameter(t, requires_grad=False))
+                counted.add(t.data_ptr())
                 self._shared.add(id(w))
                 self._plain_needed.add(id(w))  # its plain copy costs nothing: `_drop_plain` keeps it
                 out["shared_tensors"] += 1
@@ -322,6 +372,10 @@ class WeightMethods:
             for name, tensors in quantized:
                 w = self._weights.get(name)
                 tensors = {k: v.detach() for k, v in tensors.items()}
+                if w is not None and _same_tensors(self._frozen_quant.get(id(w)), tensors):  # held on them already
+                    out["quantized_tensors"] += 1
+                    out["quantized_mib"] += sum(v.numel() * v.element_size() for v in tensors.values()) / 2**20
+                    continue
                 if (self._quant is None or w is None or name not in self._quant.weight_names
                         or not self._dequantizes_to(name, tensors, w)):
                     out["skipped"] += 1
