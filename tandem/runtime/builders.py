@@ -21,14 +21,16 @@ from pathlib import Path
 from typing import Any
 
 from tandem.config import ConfigError
-from tandem.core.protocols import EngineInfo, FrozenBase
+from tandem.core.protocols import EngineInfo
 from tandem.core.schedulers import lr_multiplier
 from tandem.engines.registry import EngineEntry, EngineSpec, RunFacts, Unsupported
 from tandem.plugins import PluginError
 from tandem.rollout.functions import GenerateFunction, resolve_generate
 from tandem.runtime.config import RunConfig
+from tandem.runtime.policy import shares_frozen_base
 from tandem.runtime.remote_engine import RemoteEngine
 from tandem.sync import build_sender
+from tandem.sync.inprocess import frozen_base
 
 __all__ = [
     "EnginePlan",
@@ -113,14 +115,15 @@ def build_training_engine(cfg: RunConfig, plan: EnginePlan | None = None):
     return _build(training_engine_spec(cfg, plan), (plan or plan_engines(cfg)).trainer)
 
 
-def build_inference_engine(cfg: RunConfig, plan: EnginePlan | None = None, *, base: FrozenBase | None = None):
-    """The engine in this process (colocated placement). ``base``: a colocated trainer's frozen base
-    (`tandem.sync.inprocess.frozen_base`) that an engine whose entry ``takes_base`` holds from the start instead
-    of reading its own copy (`tandem.sync.inprocess.share_frozen_base` then shares what is left); others
-    ignore it."""
+def build_inference_engine(cfg: RunConfig, plan: EnginePlan | None = None, *, trainer: Any = None):
+    """The engine in this process (colocated placement). ``trainer``: the run's, in this process; where the run
+    shares a LoRA base (`shares_frozen_base`) and the engine's entry ``takes_base``, the engine is built on the
+    trainer's frozen base (`tandem.sync.inprocess.frozen_base`) instead of reading its own copy
+    (`tandem.sync.inprocess.share_frozen_base` then shares what is left)."""
     plan = plan or plan_engines(cfg)
     spec = inference_engine_spec(cfg, plan)
-    if base and plan.engine.takes_base:
+    base = frozen_base(trainer) if trainer is not None and plan.engine.takes_base and shares_frozen_base(cfg) else None
+    if base is not None:
         spec = dataclasses.replace(spec, kwargs={**spec.kwargs, "base": base})
     return _build(spec, plan.engine)
 

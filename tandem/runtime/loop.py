@@ -68,7 +68,7 @@ from tandem.runtime.rollouts import Rollouts
 from tandem.runtime.tracking import Tracker
 from tandem.runtime.watchdog import SkipCounter, Stalled, Watchdog
 from tandem.sync import build_sender
-from tandem.sync.inprocess import frozen_base, share_frozen_base
+from tandem.sync.inprocess import share_frozen_base
 
 __all__ = ["Run"]
 
@@ -141,8 +141,7 @@ class Run:
         if self.separate:
             self.engine.wait_ready()
         elif self.cluster is None:  # a LoRA engine is built on the trainer's frozen base: no copy of its own
-            base = frozen_base(self.trainer) if shares_frozen_base(cfg) else None
-            self.engine = builders.build_inference_engine(cfg, self.plan, base=base)
+            self.engine = builders.build_inference_engine(cfg, self.plan, trainer=self.trainer)
             self.sync = build_sender(cfg.sync, engine=self.engine)
         # under ray the weight sync reaches the replicas' engines directly: check their own info
         engine_info = self.cluster.replica_info if self.cluster is not None else self.engine.info

@@ -78,12 +78,10 @@ def share_frozen_base(trainer: Any, engine: Any) -> dict[str, float]:
     For a colocated run whose sync sends the adapters alone: nothing ever writes the base, so one copy serves
     both (SmolLM2-135M in float32: ~540 MB). An engine or trainer without the methods, or a trainer whose
     base is sharded or on a GPU, shares nothing ({})."""
-    if not (isinstance(trainer, FrozenWeights) and isinstance(engine, SharesWeights)):
+    base = frozen_base(trainer)
+    if base is None or not isinstance(engine, SharesWeights):
         return {}
-    plain, quantized = trainer.frozen_weights()
-    if not plain and not quantized:
-        return {}
-    out = engine.share_weights(plain, quantized)
+    out = engine.share_weights(*base)
     log.info("the engine holds %d of the trainer's frozen tensors (%.0f MiB) instead of copies, and %d quantized "
              "base weights (%.0f MiB) for its sleep; %d not shared (different values, dtype or layout)",
              out["shared_tensors"], out["shared_mib"], out["quantized_tensors"], out["quantized_mib"], out["skipped"])
