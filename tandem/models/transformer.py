@@ -393,13 +393,12 @@ class CausalLM(nn.Module):
         for name in unallocated:
             if name in expected and name not in state:
                 state[name] = expected[name]  # the meta model's own tensor
-        tied = args.tie_word_embeddings
+        def skip(name: str) -> bool:  # held already, or a tied LM head (the embedding serves it)
+            return name in state or (args.tie_word_embeddings and name == "lm_head.weight")
+
         for f in files:
-            skip = lambda n: n in state or (tied and n == "lm_head.weight")  # noqa: E731
             for name, t in read_safetensors(f, dtype=dtype, skip=skip):
                 state[name] = t.to(device)
-        if args.tie_word_embeddings:
-            state.pop("lm_head.weight", None)
         missing, unexpected = set(expected) - set(state), set(state) - set(expected)
         if missing or unexpected:
             raise ValueError(

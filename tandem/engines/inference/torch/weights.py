@@ -268,9 +268,13 @@ class WeightMethods:
                 tensors = dict(quantize_tensor(name, w.detach(), self._quant.cfg))
                 if not torch.equal(dequantize_tensor(name, tensors, self._quant.cfg, w.dtype), w.detach()):
                     continue
-            self._asleep[id(w)] = (name, w, tensors)
-            torch.utils.swap_tensors(w, AsleepQuantizedWeight(
-                torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False))
+            self._hold_quantized(name, w, tensors)
+
+    def _hold_quantized(self, name: str, w: torch.Tensor, tensors: dict[str, torch.Tensor]) -> None:
+        """Hold weight ``w`` as its quantized ``tensors`` (`_asleep`), its own memory freed."""
+        self._asleep[id(w)] = (name, w, tensors)
+        torch.utils.swap_tensors(w, AsleepQuantizedWeight(
+            torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False))
 
     @torch.no_grad()
     def _restore_asleep(self, keep: Container[int] = ()) -> None:
@@ -327,10 +331,8 @@ class WeightMethods:
             if w is None or not w.is_meta or self._quant is None or name not in self._quant.weight_names:
                 raise ValueError(f"base: quantized tensors for {name} which this engine does not quantize "
                                  f"(quantization={self.config.quantization})")
-            self._asleep[id(w)] = (name, w, tensors)
             self._frozen_quant[id(w)] = tensors
-            torch.utils.swap_tensors(w, AsleepQuantizedWeight(
-                torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=False))
+            self._hold_quantized(name, w, tensors)
 
     @torch.no_grad()
     def share_weights(self, named: Iterable[tuple[str, torch.Tensor]],
