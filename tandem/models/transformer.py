@@ -30,6 +30,7 @@ from torch import nn
 from tandem.models.attention import AttentionContext, MoERouting
 from tandem.models.lean_ops import rms_norm, rotary, swiglu
 from tandem.models.logprobs import TiedGrad, tied_embedding, token_logprobs
+from tandem.models.vector_math import warm_vector_math
 
 __all__ = ["CausalLM", "TransformerArgs", "UnsupportedModelError", "SUPPORTED_MODEL_TYPES"]
 
@@ -139,6 +140,8 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [N]`` -> ``cos, sin [N, head_dim]`` in ``dtype``."""
+        if positions.device.type == "cpu":
+            warm_vector_math()  # a thread's first MKL cos/sin can be inaccurate (tandem/models/vector_math.py)
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
