@@ -83,3 +83,24 @@ def test_the_rotary_table_warms_its_thread_on_the_cpu_only(monkeypatch):
     # the table itself is unchanged by the warm-up: HF's formula, float32
     want = (torch.arange(300)[:, None].float() * rope.inv_freq[None, :]).repeat(1, 2).cos()
     assert torch.equal(cos, want)
+
+
+def test_the_fsdp_trainer_warms_its_thread_for_hf_models_too(monkeypatch):
+    """The HF fallback (``packing: false``) computes its own rotary table: the trainer warms before it."""
+    from tandem.engines.training.fsdp import FSDPConfig, FSDPEngine
+    from tandem.models import ModelConfig
+
+    from ..engines.training.helpers import make_batch
+
+    engine = FSDPEngine(FSDPConfig(model=ModelConfig(name="tiny-llama"), packing=False))
+    assert not engine.native  # the HF model, not tandem.models
+    seen = _calls(monkeypatch)
+    batch = make_batch([(5, 3), (4, 6)], vocab=64)
+
+    def score():
+        out = engine.forward_logprobs(batch)
+        return getattr(vector_math._warmed, "threads", 0), out
+
+    warmed, out = _in_thread(score)
+    assert warmed == torch.get_num_threads() and len(seen) == 1
+    assert torch.isfinite(out.log_probs).all()

@@ -62,6 +62,7 @@ from tandem.engines.training.fsdp.vocab_parallel import can_shard_vocabulary, sh
 from tandem.models.attention import MoERouting
 from tandem.models.hf_names import checkpoint_named
 from tandem.models.registry import DTYPES
+from tandem.models.vector_math import warm_vector_math
 from tandem.ops.batch_invariant import batch_invariant_mode
 
 __all__ = ["FSDPEngine"]
@@ -534,6 +535,8 @@ class FSDPEngine:
 
     def _run(self, module: nn.Module, mb: MicroBatch, *, with_entropy: bool):
         """``(main [M], entropy [M] | None, routing)``: log-probs (policy/ref) or values (critic)."""
+        if self.ctx.device.type == "cpu":  # HF models too: a thread's first MKL cos/exp can be inaccurate
+            warm_vector_math()  # (tandem/models/vector_math.py; the native rotary table warms as well)
         routing = None
         if mb.routed_experts is not None and module.moe_layers:
             routing = MoERouting(module.moe_layers, replay=mb.routed_experts)
