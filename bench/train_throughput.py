@@ -34,6 +34,11 @@
    FSDP's communication buffers, and what resident memory holds beyond live tensors (allocator,
    libraries). The logits buffers are computed (rows x vocab x 4 bytes x buffers live), not measured.
 
+Host allocator: the default path, as `tandem train` runs (``runtime.allocator: auto``: tcmalloc when
+installed, `make allocator`); the bench restarts itself under it and the ranks inherit it. ``--allocator
+glibc`` measures on glibc malloc with a 1 MiB mmap threshold (the figures before 2026-12-05). Reported
+as ``allocator``.
+
 Ends with one line ``RESULT {json}``.
 """
 
@@ -324,7 +329,7 @@ def peak_memory(model: str, world: int, vocab_parallel: bool = True) -> tuple[fl
         port = s.getsockname()[1]
     # glibc keeps freed blocks below its (growing) mmap threshold in its heap, so resident memory
     # would show the allocator's history rather than the tensors alive; a fixed 1 MiB threshold
-    # returns large blocks to the OS when freed. Same setting for both worlds.
+    # returns large blocks to the OS when freed. Same setting for both worlds (glibc only: --allocator glibc).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     with tempfile.TemporaryDirectory() as out:
         mp.start_processes(memory_worker, args=(world, model, port, out, vocab_parallel), nprocs=world,
@@ -407,17 +412,23 @@ def main() -> None:
     p.add_argument("--memory-only", action="store_true", help="skip the throughput part")
     p.add_argument("--memory-repeats", type=int, default=3, help="alternating rounds of the memory arms (median)")
     p.add_argument("--throughput-only", action="store_true", help="skip the memory part")
+    p.add_argument("--allocator", choices=("auto", "glibc", "tcmalloc", "jemalloc"), default="auto",
+                   help="host allocator (runtime.allocator): auto is the default path, tcmalloc when installed")
     p.add_argument("--shape", choices=tuple(SHAPES), default="mixed",
                    help="the throughput batch: mixed lengths (default) or the GRPO demo's 32 x (60 + 30)")
     args = p.parse_args()
     from tandem.models import resolve_model
+    from tandem.runtime.allocator import reexec_under
+
+    allocator = reexec_under(args.allocator)  # as `tandem train` does; spawned ranks inherit LD_PRELOAD
+    print(f"host allocator: {allocator}", flush=True)
 
     resolve_model(args.model)  # build the cache once, outside any timing
     torch.set_num_threads(args.threads)
     if args.memory_only:
         peaks, mem = measure_memory(args.model, args.memory_repeats)
         print_breakdown(mem)
-        print("RESULT " + json.dumps({"model": args.model, **memory_result(peaks, mem)}))
+        print("RESULT " + json.dumps({"model": args.model, "allocator": allocator, **memory_result(peaks, mem)}))
         return
     runs = throughput(args.model, args.steps, SHAPES[args.shape])
     for arm, r in runs.items():
@@ -438,6 +449,7 @@ def main() -> None:
     print(f"bf16 mixed precision (param_dtype bfloat16) over fp32, native packed: {bf16_gain:.2f}x")
     through = {
         "model": args.model,
+        "allocator": allocator,
         "threads": args.threads,
         "steps": args.steps,
         "shape": args.shape,
