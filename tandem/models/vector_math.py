@@ -13,8 +13,9 @@ the ``separate`` case, flaked at that rate). It is a race: a single-threaded cal
 it, and a fresh interpreter that computes only the table does not show it.
 
 `warm_vector_math()` makes every thread of the calling thread's intra-op team run VML functions once on
-throwaway data (a 64 KiB-per-thread buffer, ~0.1 ms), the first time a thread computes with a given
-thread count. The model's rotary embedding calls it before its ``cos``/``sin`` on the CPU, so the engine's
+throwaway data (a 16 KiB-per-thread buffer; measured 0.2-0.5 ms for a new Python thread, ~20 ms for the
+process's first, which includes MKL's own start-up; 2-7 us once warm), the first time a thread computes with a
+given thread count. The model's rotary embedding calls it before its ``cos``/``sin`` on the CPU, so the engine's
 steps, its scoring and the trainer's forwards (each in whatever Python thread runs them: every such thread
 has its own OpenMP team) start from warmed threads.
 """
