@@ -140,8 +140,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions [N]`` -> ``cos, sin [N, head_dim]`` in ``dtype``."""
-        if positions.device.type == "cpu":
-            warm_vector_math()  # a thread's first MKL cos/sin can be inaccurate (tandem/models/vector_math.py)
+        warm_vector_math(positions.device)  # a thread's first MKL cos/sin can be inaccurate (vector_math.py)
         freqs = positions[:, None].float() * self.inv_freq[None, :].float()
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)

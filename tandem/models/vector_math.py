@@ -32,8 +32,11 @@ _PART = 2048  # torch's grain for these unary kernels: a tensor of 2 x _PART x t
 _warmed = threading.local()  # .threads: the intra-op thread count this Python thread's team was warmed at
 
 
-def warm_vector_math() -> None:
-    """Run MKL's vector math once on every intra-op thread of this thread's team (once per thread count)."""
+def warm_vector_math(device: torch.device | str = "cpu") -> None:
+    """Run MKL's vector math once on every intra-op thread of this thread's team (once per thread count);
+    a no-op for computations on any other ``device`` than the CPU."""
+    if torch.device(device).type != "cpu":
+        return
     threads = torch.get_num_threads()
     if getattr(_warmed, "threads", 0) == threads:
         return

@@ -535,8 +535,8 @@ class FSDPEngine:
 
     def _run(self, module: nn.Module, mb: MicroBatch, *, with_entropy: bool):
         """``(main [M], entropy [M] | None, routing)``: log-probs (policy/ref) or values (critic)."""
-        if self.ctx.device.type == "cpu":  # HF models too: a thread's first MKL cos/exp can be inaccurate
-            warm_vector_math()  # (tandem/models/vector_math.py; the native rotary table warms as well)
+        # HF models too: a thread's first MKL cos/exp can be inaccurate (tandem/models/vector_math.py)
+        warm_vector_math(self.ctx.device)
         routing = None
         if mb.routed_experts is not None and module.moe_layers:
             routing = MoERouting(module.moe_layers, replay=mb.routed_experts)

@@ -341,7 +341,7 @@ class MegatronEngine:
         self, batch: TrainBatch, *, with_entropy: bool = False, model: Role = "policy"
     ) -> LogProbOutput:
         """Response-space ``[B, R]`` float32 log-probs (and entropy) of ``model``, no grad, zeros on padding."""
-        self._warm()
+        warm_vector_math(self.ctx.device)  # Megatron's own rotary table: tandem/models/vector_math.py
         built = self._module_for(model)
         self._check(batch)
         plan = plan_micro_batches(batch, self.config.micro_batch_tokens)
@@ -367,12 +367,6 @@ class MegatronEngine:
             out = self._from_last_stage(out)
         return LogProbOutput(log_probs=out[0], entropy=out[1] if with_entropy else None)
 
-    def _warm(self) -> None:
-        """Megatron computes its own rotary table: warm this thread's MKL vector math first on a CPU
-        (a thread's first call can be inaccurate: tandem/models/vector_math.py)."""
-        if self.ctx.device.type == "cpu":
-            warm_vector_math()
-
     def train_step(
         self, batch: TrainBatch, loss_fn: LossFn, *, model: Literal["policy"] = "policy"
     ) -> dict[str, float]:
@@ -383,7 +377,7 @@ class MegatronEngine:
         if model != "policy":
             raise ValueError(f"cannot train model={model!r}: the Megatron engine trains the policy only")
         started = time.perf_counter()
-        self._warm()
+        warm_vector_math(self.ctx.device)  # Megatron's own rotary table: tandem/models/vector_math.py
         stats = self._accumulate_gradients(batch, loss_fn)
         return self._finish_step(stats, started)
 
