@@ -315,7 +315,10 @@ def memory_worker(rank: int, world: int, model: str, port: int, out: str, vocab_
     parts = breakdown(state_bytes(engine, grads), peak, at_peak, activations, embedding, logits)
     Path(out, f"rank{rank}.json").write_text(json.dumps({"peak_bytes": peak, "breakdown_mib": parts}))
     if world > 1:
+        from tandem.engines.training.common.rank_exit import exit_rank
+
         dist.destroy_process_group()
+        exit_rank(0)  # gloo's worker threads outlive the group and can abort a normal exit (rank_exit.py)
 
 
 def peak_memory(model: str, world: int, vocab_parallel: bool = True) -> tuple[float, dict[str, float]]:

@@ -17,6 +17,7 @@ import torch.multiprocessing as mp
 from tandem.core.batch import TrainBatch, response_index
 from tandem.core.protocols import LogProbOutput, LossScale
 from tandem.core.sample import Sample
+from tandem.engines.training.common.rank_exit import exit_rank
 
 TINY = "tiny-llama"
 # (prompt, response) lengths of a mixed batch; row 3 has a one-token response.
@@ -154,7 +155,11 @@ def free_ports(n: int) -> list[int]:
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> None:
+    import faulthandler
+
     import torch.distributed as dist
+
+    faulthandler.enable(all_threads=True)  # a worker killed by a signal (SIGABRT from C++) shows where it was
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # two ranks share the machine's two cores
@@ -166,6 +171,7 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple) -> 
         raise
     finally:
         dist.destroy_process_group()
+    exit_rank(0)  # not a normal exit: gloo's worker threads may abort the interpreter's finalization
 
 
 def run_workers(fn: Callable, world_size: int, *args, master_port: int | None = None) -> None:

@@ -1,0 +1,41 @@
+"""End a training rank's process without the interpreter's finalization (torch 2.13, gloo).
+
+`dist.destroy_process_group` unregisters the group but does not stop its gloo worker threads: those
+are joined only when the last reference to the group goes, and FSDP2's parameter groups and the
+device mesh keep one until the interpreter tears them down. A worker destroys each finished
+collective's work object after it has signalled completion, and releasing a tensor that has a Python
+object takes the GIL. If that happens once the main thread has begun finalizing, CPython ends the
+worker thread by unwinding it through a ``noexcept`` destructor, and libstdc++ aborts the process:
+``terminate called without an active exception``, SIGABRT, after a run whose work all succeeded
+(pytorch/pytorch#117762, #190489). It needs the worker to be descheduled between the two steps, so
+it shows on a loaded machine: ~1 in 10 runs of tests/sync/test_engine_process.py while its rank 0
+starts Ray.
+
+`exit_rank` is what a rank's entry point calls when its work is done: it runs the ``atexit`` handlers
+and flushes the standard streams (as a normal exit would), then leaves with ``os._exit``, which never
+starts the finalization the worker threads race with. It is for the end of a process the caller owns
+(a spawned or torchrun rank), not for library code.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+
+__all__ = ["exit_rank"]
+
+
+def exit_rank(code: int = 0) -> None:
+    """Run the ``atexit`` handlers, flush stdout/stderr and end the process with ``code`` (never returns)."""
+    if not 0 <= code <= 255:
+        raise ValueError(f"exit code {code} is outside 0..255")
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):  # closed or replaced stream: nothing to flush
+                pass
+        os._exit(code)
