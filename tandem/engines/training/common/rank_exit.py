@@ -1,8 +1,9 @@
 """End a training rank's process without the interpreter's finalization (torch 2.13, gloo).
 
 `dist.destroy_process_group` unregisters the group but does not stop its gloo worker threads: those
-are joined only when the last reference to the group goes, and FSDP2's parameter groups and the
-device mesh keep one until the interpreter tears them down. A worker destroys each finished
+are joined only when the last reference to the group goes, and the device mesh holds one while
+DTensor's sharding-propagation caches hold the mesh (their specs name it): after the engine is closed
+and collected, the mesh stays, until the interpreter tears it down. A worker destroys each finished
 collective's work object after it has signalled completion, and releasing a tensor that has a Python
 object takes the GIL. If that happens once the main thread has begun finalizing, CPython ends the
 worker thread by unwinding it through a ``noexcept`` destructor, and libstdc++ aborts the process:
