@@ -1,4 +1,5 @@
-"""`exit_rank`: a rank's process ends like a normal exit (atexit handlers, flushed output) minus finalization."""
+"""`exit_rank`: a rank's process ends like a normal exit (threads joined, atexit handlers, flushed output)
+minus finalization."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 from tandem.engines.training.common.rank_exit import exit_rank
 
 SCRIPT = textwrap.dedent("""
-    import atexit, sys
+    import atexit, sys, threading, time
     from pathlib import Path
     from tandem.engines.training.common.rank_exit import exit_rank
 
@@ -20,6 +21,11 @@ SCRIPT = textwrap.dedent("""
             path.write_text("yes")
 
     keep = Finalized()
+    writer = threading.Thread(target=lambda: (time.sleep(0.5), Path(sys.argv[1], "thread").write_text("done")))
+    writer.start()  # non-daemon: a normal exit waits for it, and so must exit_rank
+    from concurrent.futures import ThreadPoolExecutor
+    pool = ThreadPoolExecutor(1)  # its idle worker is a non-daemon thread too: joining it alone would hang
+    pool.submit(int).result()
     atexit.register(lambda: Path(sys.argv[1], "atexit").write_text("ran"))
     sys.stdout.write("buffered, no newline")
     sys.stderr.write("to stderr")
@@ -36,6 +42,7 @@ def test_exit_rank_runs_atexit_flushes_and_skips_finalization(tmp_path, code):
     assert run.stdout == "buffered, no newline"  # a pipe is block-buffered: only the flush delivers it
     assert run.stderr == "to stderr"
     assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "done"
     assert not (tmp_path / "after").exists()
     assert not (tmp_path / "finalized").exists()  # module globals were never torn down
 

@@ -12,8 +12,9 @@ worker thread by unwinding it through a ``noexcept`` destructor, and libstdc++ a
 it shows on a loaded machine: ~1 in 10 runs of tests/sync/test_engine_process.py while its rank 0
 starts Ray.
 
-`exit_rank` is what a rank's entry point calls when its work is done: it runs the ``atexit`` handlers
-and flushes the standard streams (as a normal exit would), then leaves with ``os._exit``, which never
+`exit_rank` is what a rank's entry point calls when its work is done: as a normal exit would, it waits
+for the non-daemon threads (a checkpoint writer, say), runs the ``atexit`` handlers and flushes the
+standard streams; then it leaves with ``os._exit``, which never
 starts the finalization the worker threads race with. It is for the end of a process the caller owns
 (a spawned or torchrun rank), not for library code.
 """
@@ -23,15 +24,20 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import threading
 
 __all__ = ["exit_rank"]
 
 
 def exit_rank(code: int = 0) -> None:
-    """Run the ``atexit`` handlers, flush stdout/stderr and end the process with ``code`` (never returns)."""
+    """Join the non-daemon threads, run the ``atexit`` handlers, flush stdout/stderr and end the process
+    with ``code`` (never returns)."""
     if not 0 <= code <= 255:
         raise ValueError(f"exit code {code} is outside 0..255")
     try:
+        # what the interpreter's shutdown does first: tell idle executors to stop (their workers are
+        # non-daemon threads waiting for work), then wait for every non-daemon thread
+        threading._shutdown()
         atexit._run_exitfuncs()
     finally:
         for stream in (sys.stdout, sys.stderr):
