@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -40,6 +41,7 @@ __all__ = [
     "list_models",
     "load_model",
     "load_tokenizer",
+    "quiet_transformers",
     "resolve_model",
 ]
 
@@ -147,9 +149,9 @@ def cache_dir() -> Path:
 
 
 def _cache_key(name: str, spec: _Spec) -> str:
-    import transformers
-
-    h = hashlib.sha256(f"{name}:{spec.version}:{transformers.__version__}".encode()).hexdigest()[:10]
+    # the installed version, read without importing transformers (a process that builds the native model
+    # from the cached folder never needs it: tandem/models/hf_config.py)
+    h = hashlib.sha256(f"{name}:{spec.version}:{importlib.metadata.version('transformers')}".encode()).hexdigest()[:10]
     return f"{name}-{h}"
 
 
@@ -164,7 +166,6 @@ def resolve_model(name: str) -> Path:
             f"unknown model {name!r}: not a registered name ({', '.join(_REGISTRY)}) "
             "and not a folder holding config.json"
         )
-    _quiet_transformers()
     root = cache_dir() / "models"
     target = root / _cache_key(name, spec)
     if (target / "config.json").is_file():
@@ -176,6 +177,7 @@ def resolve_model(name: str) -> Path:
             return target
         tmp = Path(tempfile.mkdtemp(dir=root, prefix=f".{target.name}."))
         try:
+            quiet_transformers()
             spec.build(tmp)
             (tmp / "tandem_model.json").write_text(json.dumps({"name": name, "version": spec.version}))
             os.replace(tmp, target)
@@ -185,8 +187,9 @@ def resolve_model(name: str) -> Path:
     return target
 
 
-def _quiet_transformers() -> None:
-    """Loading a cached model takes well under a second; per-shard progress bars are only noise."""
+def quiet_transformers() -> None:
+    """Loading a cached model takes well under a second; per-shard progress bars are only noise. Called
+    where transformers loads something (not by `resolve_model`: importing it costs a process ~85 MiB)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
@@ -196,7 +199,9 @@ def load_tokenizer(name: str):
     """The HF tokenizer of model ``name`` (fast tokenizer, chat template included)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(resolve_model(name)))
+    path = resolve_model(name)
+    quiet_transformers()
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def load_model(cfg: ModelConfig | str, *, device: torch.device | str = "cpu"):
@@ -206,7 +211,7 @@ def load_model(cfg: ModelConfig | str, *, device: torch.device | str = "cpu"):
     if isinstance(cfg, str):
         cfg = ModelConfig(name=cfg)
     path = resolve_model(cfg.name)
-    _quiet_transformers()
+    quiet_transformers()
     model = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation
     )

@@ -373,12 +373,11 @@ class CausalLM(nn.Module):
         instead of reading the file's (a colocated trainer's frozen base): used where the shape, dtype and
         device are the model's, else the file's tensor is read. ``unallocated``: names left on the meta device
         (not read) for the caller to fill."""
-        from transformers import AutoConfig
-
+        from tandem.models.hf_config import read_hf_config
         from tandem.models.safetensors_read import read_safetensors
 
         path = Path(path)
-        args = TransformerArgs.from_hf_config(AutoConfig.from_pretrained(str(path)))
+        args = TransformerArgs.from_hf_config(read_hf_config(path))
         with torch.device("meta"), _SkipInitOnMeta():
             model = cls(args)
         files = sorted(path.glob("*.safetensors"))

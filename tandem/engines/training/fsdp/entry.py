@@ -37,13 +37,12 @@ def refuse(facts: RunFacts, config: Any) -> dict[str, str]:
 def _moe_layers(name: str) -> tuple[int, ...]:
     """The model's MoE layers by its config (no weights loaded); () for an architecture Tandem does not
     implement natively (the engine itself then refuses replay: it needs the native model)."""
-    from transformers import AutoConfig
-
     from tandem.models import resolve_model
+    from tandem.models.hf_config import read_hf_config
     from tandem.models.transformer import TransformerArgs, UnsupportedModelError
 
     try:
-        return tuple(TransformerArgs.from_hf_config(AutoConfig.from_pretrained(str(resolve_model(name)))).moe_layers)
+        return tuple(TransformerArgs.from_hf_config(read_hf_config(resolve_model(name))).moe_layers)
     except UnsupportedModelError:
         return ()
 

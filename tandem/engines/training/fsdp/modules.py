@@ -25,7 +25,7 @@ from tandem.kernels.config import QuantConfig
 from tandem.kernels.qat import apply_qat, qat_targets
 from tandem.models.attention import MoERouting
 from tandem.models.logprobs import TiedGrad, token_logprobs
-from tandem.models.registry import ModelConfig, resolve_model
+from tandem.models.registry import ModelConfig, quiet_transformers, resolve_model
 from tandem.models.transformer import CausalLM, UnsupportedModelError
 from tandem.ops.batch_invariant import packed_attention
 
@@ -59,6 +59,7 @@ def load_lm(cfg: ModelConfig, *, packing: bool) -> LoadedLM:
             log.warning("%s: %s; using the HF model with padded micro-batches", cfg.name, e)
     from transformers import AutoModelForCausalLM
 
+    quiet_transformers()
     lm = AutoModelForCausalLM.from_pretrained(
         str(path), dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation
     )

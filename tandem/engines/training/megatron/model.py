@@ -62,9 +62,9 @@ def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
 
 
 def read_args(path: str | Path) -> TransformerArgs:
-    from transformers import AutoConfig
+    from tandem.models.hf_config import read_hf_config
 
-    return TransformerArgs.from_hf_config(AutoConfig.from_pretrained(str(path)))
+    return TransformerArgs.from_hf_config(read_hf_config(path))
 
 
 def rope_inv_freq(args: TransformerArgs) -> torch.Tensor:
