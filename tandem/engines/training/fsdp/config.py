@@ -49,7 +49,7 @@ class ParallelConfig:
 
 @dataclass(kw_only=True, slots=True)
 class LoRAConfig:
-    """Low-rank adapters via peft. Only adapter weights train; the base model stays frozen.
+    """Low-rank adapters in peft's layout (fsdp/lora.py). Only adapter weights train; the base stays frozen.
 
     ``sync`` picks what `named_parameters_for_sync` yields: full weights with the adapters merged
     (for an engine without LoRA support) or the adapter tensors alone (peft naming).

@@ -1,17 +1,19 @@
-"""LoRA through peft, and the policy's weights as HF-named full tensors (merged or adapter-only).
+"""LoRA in peft's layout, and the policy's weights as HF-named full tensors (merged or adapter-only).
 
-Adapters are injected into the LM in place (``peft.inject_adapter_in_model``), so the model keeps its
-own class and every non-LoRA parameter keeps its HF name; a LoRA'd linear ``X`` holds
-``X.base_layer.weight`` plus ``X.lora_A.default.weight`` / ``X.lora_B.default.weight``.
+Adapters are injected into the LM in place (`apply_lora`), so the model keeps its own class and every
+non-LoRA parameter keeps its HF name; a LoRA'd linear ``X`` holds ``X.base_layer.weight`` plus
+``X.lora_A.default.weight`` / ``X.lora_B.default.weight``, peft's names, so an adapter-only export loads in
+peft, vLLM and SGLang. The layer is Tandem's own (`LoraLinear`), with peft's arithmetic: importing peft pulls
+in transformers' modeling code (~116 MiB resident and seconds of start-up in every trainer process).
 
-Merging follows peft's own arithmetic (``LoraLayer.get_delta_weight`` then ``merge``):
+Merging follows peft's arithmetic (``LoraLayer.get_delta_weight`` then ``merge``):
 ``W + (B @ A) * (alpha / rank)``, so a merged export equals ``merge_and_unload`` bit for bit.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
+import math
 from collections.abc import Callable, Iterator
 
 import torch
@@ -19,10 +21,50 @@ from torch import nn
 
 from tandem.engines.training.fsdp.config import LoRAConfig
 
-__all__ = ["adapters_disabled", "apply_lora", "frozen_base", "hf_tensors", "linear_module_names"]
+__all__ = ["LoraLinear", "adapters_disabled", "apply_lora", "frozen_base", "hf_tensors", "linear_module_names"]
 
 ADAPTER = "default"  # peft's adapter name; adapters are saved without it (peft's file naming)
 _BASE = ".base_layer."
+
+
+class LoraLinear(nn.Module):
+    """``base_layer(x) + lora_B(lora_A(dropout(x))) * alpha / rank``, peft's vanilla LoRA linear layer.
+
+    Same parameter names, initialisation (``lora_A`` Kaiming-uniform with ``a = sqrt(5)``, drawn in the same
+    order from the global generator, ``lora_B`` zero), dtype (the base weight's) and forward as peft's
+    ``lora.Linear`` with its defaults (no DoRA, no rsLoRA, no bias on ``lora_B``): tests/engines/training/
+    test_fsdp_features.py checks the training against peft's. ``enable_adapters(False)`` runs the base alone."""
+
+    def __init__(self, base_layer: nn.Linear, rank: int, alpha: float, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
+        self.lora_dropout = nn.ModuleDict({ADAPTER: nn.Dropout(p=dropout) if dropout > 0 else nn.Identity()})
+        self.lora_A = nn.ModuleDict({ADAPTER: nn.Linear(self.in_features, rank, bias=False)})
+        self.lora_B = nn.ModuleDict({ADAPTER: nn.Linear(rank, self.out_features, bias=False)})
+        self.scaling = {ADAPTER: alpha / rank}
+        nn.init.kaiming_uniform_(self.lora_A[ADAPTER].weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B[ADAPTER].weight)
+        w = base_layer.weight
+        dtype = w.dtype if w.dtype.is_floating_point else None  # peft never casts adapters to an integer dtype
+        for d in (self.lora_A, self.lora_B):
+            d[ADAPTER] = d[ADAPTER].to(w.device, dtype=dtype)
+        self.adapters_enabled = True
+
+    def enable_adapters(self, enabled: bool) -> None:
+        self.adapters_enabled = bool(enabled)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        result = self.base_layer(x)
+        if not self.adapters_enabled:
+            return result
+        a, b = self.lora_A[ADAPTER], self.lora_B[ADAPTER]
+        x = x if x.dtype == a.weight.dtype else x.to(a.weight.dtype)
+        out_dtype = result.dtype
+        return (result + b(a(self.lora_dropout[ADAPTER](x))) * self.scaling[ADAPTER]).to(out_dtype)
+
+    def extra_repr(self) -> str:
+        return f"rank={self.lora_A[ADAPTER].out_features}, scaling={self.scaling[ADAPTER]}"
 
 
 def linear_module_names(model: nn.Module) -> list[str]:
@@ -33,11 +75,10 @@ def linear_module_names(model: nn.Module) -> list[str]:
 def apply_lora(lm: nn.Module, cfg: LoRAConfig) -> nn.Module:
     """Inject adapters into ``lm`` (in place) and freeze everything else; returns ``lm``.
 
-    A target that names no linear layer raises ValueError listing the ones that exist. Call under
-    one seed on every rank: ``lora_A`` starts random and all ranks must start from the same values.
+    Every linear layer whose short name is a target gets a `LoraLinear`, in module order (as peft does, so
+    the same seed draws the same ``lora_A``). A target that names no linear layer raises ValueError listing
+    the ones that exist. Call under one seed on every rank: all ranks must start from the same values.
     """
-    from peft import LoraConfig, inject_adapter_in_model
-
     available = linear_module_names(lm)
     for target in cfg.target_modules:
         if target not in available:
@@ -45,21 +86,20 @@ def apply_lora(lm: nn.Module, cfg: LoRAConfig) -> nn.Module:
                 f"LoRA target module {target!r} does not exist in the model; its linear layers are: "
                 f"{', '.join(available)}"
             )
-    peft_cfg = LoraConfig(
-        r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=list(cfg.target_modules)
-    )
-    inject_adapter_in_model(peft_cfg, lm)
+    targets = set(cfg.target_modules)
+    chosen = [(name, m) for name, m in lm.named_modules()
+              if isinstance(m, nn.Linear) and name.rsplit(".", 1)[-1] in targets]
+    for name, m in chosen:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = lm.get_submodule(parent_name) if parent_name else lm
+        setattr(parent, leaf, LoraLinear(m, cfg.rank, cfg.alpha, cfg.dropout))
     for name, p in lm.named_parameters():
         p.requires_grad_(".lora_" in name)
     return lm
 
 
 def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
-    if "peft" not in sys.modules:  # no adapter exists before peft is loaded: spares a plain run its import
-        return {}
-    from peft.tuners.lora import LoraLayer
-
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
 
 
 @contextlib.contextmanager

@@ -109,7 +109,7 @@ def quantize_base(lm: nn.Module, cfg: QuantConfig, *, output_module: str | None)
     del plain  # the float weights it names go as each layer is replaced
     for hf_name in targets:
         wrapped = lm.get_submodule(hf_name)
-        if hasattr(wrapped, "base_layer"):  # peft LoraLayer
+        if hasattr(wrapped, "base_layer"):  # a LoraLinear (fsdp/lora.py)
             wrapped.base_layer = QuantizedLinear(wrapped.base_layer, cfg)
         else:
             _set(lm, hf_name, QuantizedLinear(wrapped, cfg))
