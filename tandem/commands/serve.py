@@ -122,11 +122,10 @@ def _check_max_model_len(value: int, model_name: str) -> None:
 
 
 def _model_context(name: str) -> int:
-    from transformers import AutoConfig
-
     from tandem.models import resolve_model
+    from tandem.models.hf_config import read_hf_config
 
-    return int(AutoConfig.from_pretrained(str(resolve_model(name))).max_position_embeddings)
+    return int(read_hf_config(resolve_model(name)).max_position_embeddings)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -74,11 +74,10 @@ def run_facts(cfg: RunConfig) -> RunFacts:
 
 def _run_context(cfg: RunConfig) -> int:
     """The longest sequence this run can produce, capped at the model's context."""
-    from transformers import AutoConfig
-
     from tandem.models import resolve_model
+    from tandem.models.hf_config import read_hf_config
 
-    limit = AutoConfig.from_pretrained(str(resolve_model(cfg.model.name))).max_position_embeddings
+    limit = read_hf_config(resolve_model(cfg.model.name)).max_position_embeddings
     return min(cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_new_tokens, limit)
 
 
