@@ -56,7 +56,8 @@ class ConfigJSON:
         rope.setdefault("rope_type", rope.get("type", "default"))
         rope.setdefault("rope_theta", merged["rope_theta"])
         merged["rope_parameters"] = rope
-        self.__dict__.update(merged)
+        # a key named like this class's own attributes (to_dict, _raw) cannot shadow them
+        self.__dict__.update({k: v for k, v in merged.items() if not hasattr(ConfigJSON, k) and k != "_raw"})
 
     def to_dict(self) -> dict[str, Any]:
         return copy.deepcopy(self._raw)

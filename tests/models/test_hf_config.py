@@ -66,6 +66,9 @@ def test_file_values_win_and_rope_is_normalised(tmp_path):
     cfg = read_hf_config(tmp_path)
     assert cfg.rope_parameters == {"rope_type": "default", "rope_theta": 5e5}
     assert cfg.to_dict() == raw  # what save_pretrained writes back: the file's own content
+    raw["to_dict"] = 1
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    assert read_hf_config(tmp_path).to_dict() == raw  # a key cannot shadow the method
 
 
 @pytest.mark.parametrize("extra", [
