@@ -1,7 +1,7 @@
 """An HF folder's ``config.json`` for the native model, read without importing transformers where it can.
 
 ``AutoConfig.from_pretrained`` of a Llama config imports a large part of transformers (its config module
-pulls in the type validators, activations and the kernel hub): ~1.4 s and ~85 MiB of resident memory in a
+pulls in the type validators, activations and the kernel hub): ~1.4 s and ~80 MiB of resident memory in a
 process that otherwise needs none of it, such as an FSDP rank or an inference actor building the native
 model. For the architectures the native model implements, with the default rotary embedding, the fields
 `TransformerArgs` reads are taken from the file with the defaults of transformers' own config classes

@@ -189,7 +189,7 @@ def resolve_model(name: str) -> Path:
 
 def quiet_transformers() -> None:
     """Loading a cached model takes well under a second; per-shard progress bars are only noise. Called
-    where transformers loads something (not by `resolve_model`: importing it costs a process ~85 MiB)."""
+    where transformers loads something (not by `resolve_model`: importing it costs a process ~80 MiB)."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -33,7 +33,7 @@ class LoraLinear(nn.Module):
     Same parameter names, initialisation (``lora_A`` Kaiming-uniform with ``a = sqrt(5)``, drawn in the same
     order from the global generator, ``lora_B`` zero), dtype (the base weight's) and forward as peft's
     ``lora.Linear`` with its defaults (no DoRA, no rsLoRA, no bias on ``lora_B``): tests/engines/training/
-    test_fsdp_features.py checks the training against peft's. ``enable_adapters(False)`` runs the base alone."""
+    test_lora_layer.py checks them bit for bit against peft's. ``enable_adapters(False)`` runs the base alone."""
 
     def __init__(self, base_layer: nn.Linear, rank: int, alpha: float, dropout: float = 0.0) -> None:
         super().__init__()
