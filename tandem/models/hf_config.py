@@ -52,8 +52,7 @@ class ConfigJSON:
         for name, stored in ALIASES.get(mt, {}).items():
             if stored in raw:
                 merged[name] = raw[stored]
-        rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
-        rope.setdefault("rope_type", rope.get("type", "default"))
+        rope = _rope(raw)
         rope.setdefault("rope_theta", merged["rope_theta"])
         merged["rope_parameters"] = rope
         # a key named like this class's own attributes (to_dict, _raw) cannot shadow them
@@ -66,14 +65,21 @@ class ConfigJSON:
         return f"ConfigJSON(model_type={self._raw['model_type']!r})"
 
 
+def _rope(raw: dict[str, Any]) -> dict[str, Any]:
+    """The file's rope settings (``rope_parameters``, or the older ``rope_scaling``) with ``rope_type`` set."""
+    rope = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
+    rope.setdefault("rope_type", rope.get("type", "default"))
+    return rope
+
+
 def _plain(raw: dict[str, Any]) -> bool:
     """True where the file alone describes the model: a native architecture with the default rotary embedding."""
     if raw.get("model_type") not in DEFAULTS or raw.get("partial_rotary_factor") not in (None, 1, 1.0):
         return False
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-    if not isinstance(rope, dict) or any(isinstance(v, dict) for v in rope.values()):  # per-layer-type rope
+    settings = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if not isinstance(settings, dict) or any(isinstance(v, dict) for v in settings.values()):  # per-layer-type
         return False
-    return rope.get("rope_type", rope.get("type", "default")) == "default"
+    return _rope(raw)["rope_type"] == "default"
 
 
 def read_hf_config(path: str | Path) -> Any:
