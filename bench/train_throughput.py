@@ -23,9 +23,10 @@
    packing gain = native packed / native padded; model gain = native padded / HF padded; their
    product is the old packed / padded figure. Padding ratio = fed / real tokens of a padded step.
 2. Memory: steps (activation checkpointing on) in a fresh world of 1 process and of 2 gloo processes
-   (each rank holding half the batch); world 2 twice: the default path (``parallel.vocab_parallel``, the
-   embedding used by vocabulary shard) and ``vocab_parallel: false`` (gathered whole, for the gain); the three
-   arms alternate over ``--memory-repeats`` rounds (order rotating), medians and min-max. Peak resident memory per rank (VmHWM) over two optimizer steps
+   (each rank holding half the batch); world 2 three times: the default path (``parallel.vocab_parallel``, the
+   embedding used by vocabulary shard; ``parallel.ring_collectives``, FSDP's all-gather and reduce-scatter as
+   point-to-point rings), ``vocab_parallel: false`` (gathered whole, for the gain) and ``ring_collectives:
+   false`` (gloo's own collectives, for that gain); the four arms alternate over ``--memory-repeats`` rounds (order rotating), medians and min-max. Peak resident memory per rank (VmHWM) over two optimizer steps
    above the level before building the engine (or ``torch.cuda.max_memory_allocated`` on a GPU), then
    a third, identical step under torch's tensor memory tracker (``MemTracker``, ``FSDPMemTracker`` at
    world 2: every live tensor storage, by role) itemises the peak: parameters, gradients and AdamW
@@ -278,7 +279,8 @@ def breakdown(states: dict[str, int], peak: int, at_peak: dict[str, int], activa
     }.items()}
 
 
-def memory_worker(rank: int, world: int, model: str, port: int, out: str, vocab_parallel: bool = True) -> None:
+def memory_worker(rank: int, world: int, model: str, port: int, out: str, vocab_parallel: bool = True,
+                  rings: bool = True) -> None:
     """Two steps with activation checkpointing (the resident peak), then a tracked third (the itemising)."""
     import torch.distributed as dist
 
@@ -291,7 +293,7 @@ def memory_worker(rank: int, world: int, model: str, port: int, out: str, vocab_
         dist.init_process_group("gloo", rank=rank, world_size=world)
     base = rss_bytes()
     engine = FSDPEngine(engine_config(model, micro_batch_tokens=MEMORY_MB_TOKENS, parallel=ParallelConfig(
-        activation_checkpointing=True, vocab_parallel=vocab_parallel)))
+        activation_checkpointing=True, vocab_parallel=vocab_parallel, ring_collectives=rings)))
     batch = make_batch(MEMORY_BATCH, seed=1)
     local = batch.select(split_for_data_parallel(batch, world)[rank])
     grads: dict[str, int] = {}
@@ -321,7 +323,8 @@ def memory_worker(rank: int, world: int, model: str, port: int, out: str, vocab_
         exit_rank(0)  # gloo's worker threads outlive the group and can abort a normal exit (rank_exit.py)
 
 
-def peak_memory(model: str, world: int, vocab_parallel: bool = True) -> tuple[float, dict[str, float]]:
+def peak_memory(model: str, world: int, vocab_parallel: bool = True,
+                rings: bool = True) -> tuple[float, dict[str, float]]:
     """Mean peak bytes per rank and rank 0's breakdown, each world in fresh processes (clean high-water marks)."""
     import socket
 
@@ -335,7 +338,7 @@ def peak_memory(model: str, world: int, vocab_parallel: bool = True) -> tuple[fl
     # returns large blocks to the OS when freed. Same setting for both worlds (glibc only: --allocator glibc).
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     with tempfile.TemporaryDirectory() as out:
-        mp.start_processes(memory_worker, args=(world, model, port, out, vocab_parallel), nprocs=world,
+        mp.start_processes(memory_worker, args=(world, model, port, out, vocab_parallel, rings), nprocs=world,
                            start_method="spawn")
         ranks = [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
     return sum(r["peak_bytes"] for r in ranks) / world, ranks[0]["breakdown_mib"]
@@ -356,9 +359,11 @@ ROWS = [  # (key, label)
 ]
 
 
-# memory arms: (world, parallel.vocab_parallel); "world2" is the default path, "world2_gathered" the embedding
-# and LM head gathered whole by FSDP as before vocab_parallel (same run, for the gain)
-MEMORY_ARMS = {"world1": (1, True), "world2": (2, True), "world2_gathered": (2, False)}
+# memory arms: (world, parallel.vocab_parallel, parallel.ring_collectives); "world2" is the default path,
+# "world2_gathered" the embedding and LM head gathered whole by FSDP as before vocab_parallel, "world2_gloo"
+# gloo's own all-gather and reduce-scatter as before ring_collectives (same run, for the gains)
+MEMORY_ARMS = {"world1": (1, True, True), "world2": (2, True, True), "world2_gathered": (2, False, True),
+               "world2_gloo": (2, True, False)}
 
 
 def measure_memory(model: str, repeats: int) -> tuple[dict[str, list[float]], dict[str, dict[str, float]]]:
@@ -369,8 +374,8 @@ def measure_memory(model: str, repeats: int) -> tuple[dict[str, list[float]], di
     arms = list(MEMORY_ARMS)
     for r in range(repeats):
         for arm in arms[r % len(arms):] + arms[: r % len(arms)]:
-            world, vocab_parallel = MEMORY_ARMS[arm]
-            peak, mem[arm] = peak_memory(model, world, vocab_parallel)
+            world, vocab_parallel, rings = MEMORY_ARMS[arm]
+            peak, mem[arm] = peak_memory(model, world, vocab_parallel, rings)
             peaks[arm].append(peak)
             print(f"memory round {r + 1}/{repeats} {arm}: {peak / MIB:.0f} MiB per rank", flush=True)
     return peaks, mem
@@ -385,19 +390,21 @@ def memory_result(peaks: dict[str, list[float]], mem: dict[str, dict[str, float]
         "peak_mib_world2_gathered_per_rank": round(med["world2_gathered"] / MIB, 1),
         "memory_ratio_world2": round(med["world2"] / med["world1"], 3),
         "memory_ratio_world2_gathered": round(med["world2_gathered"] / med["world1"], 3),
+        "peak_mib_world2_gloo_collectives_per_rank": round(med["world2_gloo"] / MIB, 1),
+        "memory_ratio_world2_gloo_collectives": round(med["world2_gloo"] / med["world1"], 3),
         "peak_mib_spread": {arm: [round(min(v) / MIB, 1), round(max(v) / MIB, 1)] for arm, v in peaks.items()},
         "memory_breakdown_mib": mem,
     }
 
 
 def print_breakdown(mem: dict[str, dict[str, float]]) -> None:
-    w1, w2, g2 = mem["world1"], mem["world2"], mem["world2_gathered"]
+    w1, w2, g2, gl = mem["world1"], mem["world2"], mem["world2_gathered"], mem["world2_gloo"]
     print(f"\nmemory per rank, MiB (last round)           {'world 1':>9} {'world 2':>9} {'2 / 1':>6} "
-          f"{'w2 gathered':>11}")
+          f"{'w2 gathered':>11} {'w2 gloo':>9}")
     for key, label in ROWS:
-        a, b, c = w1[key], w2[key], g2[key]
+        a, b, c, d = w1[key], w2[key], g2[key], gl[key]
         ratio = f"{b / a:6.2f}" if a else "     -"
-        print(f"  {label:<42} {a:9.1f} {b:9.1f} {ratio} {c:11.1f}")
+        print(f"  {label:<42} {a:9.1f} {b:9.1f} {ratio} {c:11.1f} {d:9.1f}")
         if key == "peak":
             print("  (below: not part of the peak's sum)")
     sharded = [sum(w[k] for k in ("parameters", "gradients", "optimizer_state")) for w in (w1, w2)]

@@ -41,6 +41,9 @@ class ParallelConfig:
     # the policy's embedding / LM head used shard by shard over the vocabulary, never gathered
     # (fsdp/vocab_parallel.py); world > 1 without replicate, native model, off in deterministic mode
     vocab_parallel: bool = True
+    # on a gloo group, FSDP's all-gather and reduce-scatter as point-to-point rings (fsdp/ring_comms.py):
+    # no staging copies of a layer, and about half the time of gloo's collectives; false: gloo's own
+    ring_collectives: bool = True
 
     def __post_init__(self) -> None:
         if self.replicate < 1:

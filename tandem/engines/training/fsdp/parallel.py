@@ -190,12 +190,18 @@ def apply_fsdp(
     for layer in layers:
         fully_shard(layer, reshard_after_forward=cfg.reshard_after_forward, **kw)
     fully_shard(root, ignored_params=ignored or None, **kw)
+    rings = cfg.ring_collectives and dist.get_backend(ctx.mesh.get_group("shard")) == "gloo"
+    if rings:
+        from tandem.engines.training.fsdp.ring_comms import RingAllGather, RingReduceScatter
     for m in root.modules():
         if isinstance(m, FSDPModule):
             # Divide by 1 with plain SUM collectives: gloo has no PREMUL_SUM, and NCCL's AVG would
             # average what the loss normalisation already made a global mean.
             m.set_gradient_divide_factor(1.0)
             m.set_force_sum_reduction_for_comms(True)
+            if rings:
+                m.set_custom_all_gather(RingAllGather())
+                m.set_custom_reduce_scatter(RingReduceScatter())
 
 
 def full_tensor(t: torch.Tensor, device: torch.device) -> torch.Tensor:
