@@ -51,7 +51,7 @@ import sys
 from pathlib import Path
 
 __all__ = ["ALLOCATORS", "DEFAULT_CHOICE", "ENV", "AllocatorError", "active_allocator", "find_allocator", "reexec_under",
-           "note_allocator", "resolve_allocator", "set_mmap_threshold"]
+           "note_allocator", "release_free_memory", "resolve_allocator", "set_mmap_threshold"]
 
 log = logging.getLogger(__name__)
 
@@ -187,4 +187,34 @@ def set_mmap_threshold(nbytes: int) -> bool:
         log.warning("mallopt(M_MMAP_THRESHOLD, %d) was refused; freed host memory may stay resident", nbytes)
         return False
     os.environ[ENV] = str(int(nbytes))
+    return True
+
+
+def release_free_memory() -> bool:
+    """Hand the memory the allocator holds free back to the system (``madvise``); live memory is untouched.
+
+    For the end of a one-off phase that freed much more than the steady state reuses in the same shapes,
+    such as a data-parallel rank that loaded whole models and kept only its shards: tcmalloc keeps the freed
+    spans resident and splits them for later requests of other sizes, so the untouched rest of each span
+    stays in RSS for the whole run. Measured on SmolLM2-135M at world 2 (FSDP, docs/benchmarks.md): ~310 MiB
+    free after the build; the training peak per rank 1,341 -> 1,309 MiB over 7 steps with the release.
+    tcmalloc: ``MallocExtension_ReleaseFreeMemory``; jemalloc: purge every arena; glibc: ``malloc_trim(0)``.
+    Returns whether a release call was made. Costs a page fault per page reused later (once, not per step).
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    active = active_allocator()
+    try:
+        if active == "tcmalloc":
+            ctypes.CDLL(None).MallocExtension_ReleaseFreeMemory()
+        elif active == "jemalloc":
+            mallctl = ctypes.CDLL(None).mallctl
+            # MALLCTL_ARENAS_ALL (4096): every arena
+            mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0))
+        else:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            libc.gnu_get_libc_version  # noqa: B018 - glibc only
+            libc.malloc_trim(ctypes.c_size_t(0))
+    except (OSError, AttributeError):
+        return False
     return True

@@ -64,6 +64,7 @@ from tandem.models.hf_names import checkpoint_named
 from tandem.models.registry import DTYPES
 from tandem.models.vector_math import warm_vector_math
 from tandem.ops.batch_invariant import batch_invariant_mode
+from tandem.runtime.allocator import release_free_memory
 
 __all__ = ["FSDPEngine"]
 
@@ -182,6 +183,8 @@ class FSDPEngine:
         )
         self.ref = self._build_ref()
         self.critic = self._build_critic(critic_lr_lambda)
+        if self.ctx.sharded:  # each rank loaded whole models and kept its shards: the rest back to the system
+            release_free_memory()
 
     # -- building -------------------------------------------------------------------------------------
 
