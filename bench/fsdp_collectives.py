@@ -6,10 +6,10 @@ Two parts, each alternating the two arms (order flipped every round) in fresh 2-
 thread per rank, under the default host allocator (as `tandem train` runs):
 
 1. Collectives alone: one decoder layer's bytes of SmolLM2-135M (3.54 M fp32 values, 13.5 MiB) reduce-scattered
-   and its half all-gathered, 10 calls each per world, with each call's input allocated beforehand; the median
+   and its half all-gathered, 10 calls in a world of their own for each, with each call's input allocated beforehand; the median
    call time and the rise of the resident high-water mark (VmHWM) during the calls, rank 0.
 2. Training steps: an FSDP engine at world 2 on the default configuration (``parallel.ring_collectives`` true
-   or false, everything else default) trains ``--steps`` steps of the same batch (4 sequences x 128 tokens,
+   or false, everything else default; ``--activation-checkpointing`` turns that on for both arms) trains ``--steps`` steps of the same batch (4 sequences x 128 tokens,
    each rank 2); every step is timed between barriers and the first (warm-up, optimizer state allocation) is
    left out; medians over all kept steps and rounds, spread = (max - min) / median; the loss of the last step
    of both arms (the same batch and weights: equal if the gradients are).
@@ -65,40 +65,38 @@ def _leave() -> None:
     exit_rank(0)
 
 
-def collectives_worker(rank: int, arm: str, port: int, out: str) -> None:
+def collectives_worker(rank: int, arm: str, port: int, out: str, op: str) -> None:
+    """One collective ``op`` in a world of its own (its high-water mark not under the other's)."""
     import torch.distributed as dist
 
     from tandem.engines.training.fsdp.ring_comms import ring_all_gather, ring_reduce_scatter
 
     _join(rank, port)
     group = dist.group.WORLD
-    found = {}
-    for op in ("reduce_scatter", "all_gather"):
-        numel = LAYER_NUMEL if op == "reduce_scatter" else LAYER_NUMEL // 2
-        inputs = [torch.randn(numel) for _ in range(CALLS)]  # before the high-water mark is read
-        output = torch.empty(LAYER_NUMEL // 2 if op == "reduce_scatter" else LAYER_NUMEL)
-        dist.barrier()
-        before = peak_rss_bytes()
-        times = []
-        for x in inputs:
-            t = time.perf_counter()
-            if op == "reduce_scatter" and arm == "rings":
-                ring_reduce_scatter(output, x, group)  # sums into x in place, as FSDP's copy-in buffer
-            elif op == "reduce_scatter":
-                dist.reduce_scatter_tensor(output, x, group=group)
-            elif arm == "rings":
-                ring_all_gather(output, x, group)
-            else:
-                dist.all_gather_into_tensor(output, x, group=group)
-            times.append(time.perf_counter() - t)
-        found[op] = {"ms": statistics.median(times) * 1e3, "hwm_rise_mib": (peak_rss_bytes() - before) / MIB}
-        del inputs
+    numel = LAYER_NUMEL if op == "reduce_scatter" else LAYER_NUMEL // 2
+    inputs = [torch.randn(numel) for _ in range(CALLS)]  # before the high-water mark is read
+    output = torch.zeros(LAYER_NUMEL // 2 if op == "reduce_scatter" else LAYER_NUMEL)  # touched, as the inputs
+    dist.barrier()
+    before = peak_rss_bytes()
+    times = []
+    for x in inputs:
+        t = time.perf_counter()
+        if op == "reduce_scatter" and arm == "rings":
+            ring_reduce_scatter(output, x, group)  # sums into x in place, as FSDP's copy-in buffer
+        elif op == "reduce_scatter":
+            dist.reduce_scatter_tensor(output, x, group=group)
+        elif arm == "rings":
+            ring_all_gather(output, x, group)
+        else:
+            dist.all_gather_into_tensor(output, x, group=group)
+        times.append(time.perf_counter() - t)
+    found = {op: {"ms": statistics.median(times) * 1e3, "hwm_rise_mib": (peak_rss_bytes() - before) / MIB}}
     if rank == 0:
         Path(out, "c.json").write_text(json.dumps(found))
     _leave()
 
 
-def steps_worker(rank: int, arm: str, port: int, out: str, model: str, steps: int) -> None:
+def steps_worker(rank: int, arm: str, port: int, out: str, model: str, steps: int, ac: bool) -> None:
     import torch.distributed as dist
 
     from tandem.engines.training.common import split_for_data_parallel
@@ -107,7 +105,8 @@ def steps_worker(rank: int, arm: str, port: int, out: str, model: str, steps: in
     _join(rank, port)
     from tandem.engines.training.fsdp import FSDPEngine
 
-    engine = FSDPEngine(engine_config(model, parallel=ParallelConfig(ring_collectives=arm == "rings")))
+    engine = FSDPEngine(engine_config(model, parallel=ParallelConfig(ring_collectives=arm == "rings",
+                                                                     activation_checkpointing=ac)))
     batch = make_batch(MEMORY_BATCH, seed=1)
     local = batch.select(split_for_data_parallel(batch, 2)[rank])
     times, loss = [], None
@@ -139,6 +138,8 @@ def main() -> None:
     p.add_argument("--model", default="smollm2-135m-instruct")
     p.add_argument("--repeats", type=int, default=3, help="alternating rounds of both arms")
     p.add_argument("--steps", type=int, default=4, help="training steps per world (the first is left out)")
+    p.add_argument("--activation-checkpointing", action="store_true",
+                   help="train with parallel.activation_checkpointing (as the memory bench does); default off")
     args = p.parse_args()
     if args.steps < 2:
         p.error(f"--steps {args.steps}: at least 2 (the first step is left out)")
@@ -153,11 +154,11 @@ def main() -> None:
     losses: dict[str, float] = {}
     for r in range(args.repeats):
         for arm in ARMS if r % 2 == 0 else ARMS[::-1]:
-            c = spawn(collectives_worker, arm)
+            c = {op: spawn(collectives_worker, arm, op)[op] for op in ("reduce_scatter", "all_gather")}
             for op, v in c.items():
                 for k, x in v.items():
                     coll[arm].setdefault(f"{op}_{k}", []).append(x)
-            s = spawn(steps_worker, arm, args.model, args.steps)
+            s = spawn(steps_worker, arm, args.model, args.steps, args.activation_checkpointing)
             step_s[arm] += s["times"][1:]
             losses[arm] = s["loss"]
             print(f"round {r + 1}/{args.repeats} {arm}: reduce-scatter {c['reduce_scatter']['ms']:.2f} ms "
@@ -167,7 +168,7 @@ def main() -> None:
     med = {a: statistics.median(v) for a, v in step_s.items()}
     result = {
         "model": args.model, "allocator": allocator, "world": 2, "threads_per_rank": 1, "repeats": args.repeats,
-        "steps_per_world": args.steps,
+        "steps_per_world": args.steps, "activation_checkpointing": args.activation_checkpointing,
         "step_s": {a: round(med[a], 3) for a in ARMS},
         "step_s_spread": {a: spread(step_s[a]) for a in ARMS},
         "ring_step_time_ratio": round(med["rings"] / med["gloo"], 3),
