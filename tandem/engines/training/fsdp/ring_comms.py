@@ -3,9 +3,9 @@
 Gloo's own collectives cost memory and time that a CPU rank feels: its ``reduce_scatter_tensor`` clones
 the whole input and all-reduces it (every rank moves and sums the full layer, then keeps its chunk), and
 its ``all_gather_into_tensor`` stages the output in a buffer of its own. Measured on two gloo ranks, one
-thread each, a 13.5 MiB layer (one SmolLM2-135M decoder layer in fp32): reduce-scatter +23 to +36 MiB of
-resident peak and 10-19 ms, as a ring +7 MiB and 4-7 ms; all-gather +14 MiB and 7-9 ms, as a ring +0 MiB
-and 3-5 ms (docs/benchmarks.md, FSDP2 section).
+thread each, one SmolLM2-135M decoder layer in fp32 (13.5 MiB; bench/fsdp_collectives.py, docs/benchmarks.md):
+reduce-scatter 14.5 ms and +30.5 MiB of resident high-water mark, as a ring 4.2 ms and +1.6 MiB; all-gather
+8.8 ms and +15.3 MiB, as a ring 4.3 ms and +1.3 MiB; a world-2 training step 0.92-0.94x the time.
 
 The rings here are the textbook ones (``world - 1`` steps; each step sends one chunk to the next rank and
 receives one from the previous):
