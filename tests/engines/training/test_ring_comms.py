@@ -64,6 +64,19 @@ def collectives(rank: int, world: int, out_dir: str) -> None:
     got = torch.empty(6 * world, dtype=torch.uint8)
     ring_all_gather(got, raw, group)
     found["ag_uint8"] = (got, want)
+    if world == 3:  # a subgroup (as HSDP's shard dimension is): peers are named by their global ranks
+        sub = dist.new_group([0, 2])
+        if rank != 1:
+            x = torch.randn(8, generator=torch.Generator().manual_seed(7 + rank))
+            want = torch.empty(4)
+            dist.reduce_scatter_tensor(want, x.clone(), group=sub)
+            got = torch.empty(4)
+            ring_reduce_scatter(got, x.clone(), sub)
+            gathered = torch.empty(8)
+            ring_all_gather(gathered, got, sub)
+            want_gathered = torch.empty(8)
+            dist.all_gather_into_tensor(want_gathered, want, group=sub)
+            found["subgroup"] = (got, want, gathered, want_gathered)
     errors = []
     for bad in (lambda: ring_reduce_scatter(torch.empty(3), torch.empty(7 * world + 1), group),
                 lambda: ring_reduce_scatter(torch.empty(3), torch.empty(7 * world), group),
@@ -113,6 +126,9 @@ def test_rings_match_gloo_collectives(tmp_path, world):
                 assert torch.equal(got, want), key
         got, want = found["ag_uint8"]
         assert torch.equal(got, want)
+        if world == 3 and r != 1:
+            got, want, gathered, want_gathered = found["subgroup"]
+            assert torch.equal(got, want) and torch.equal(gathered, want_gathered)
         errors = found["errors"]
         assert len(errors) == 3
         assert f"{7 * world + 1} elements" in errors[0] and f"into {world} equal" in errors[0]
