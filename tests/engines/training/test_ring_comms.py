@@ -77,6 +77,12 @@ def collectives(rank: int, world: int, out_dir: str) -> None:
             want_gathered = torch.empty(8)
             dist.all_gather_into_tensor(want_gathered, want, group=sub)
             found["subgroup"] = (got, want, gathered, want_gathered)
+        solo = [dist.new_group([i]) for i in range(world)][rank]  # every rank creates every group
+        x = torch.randn(6, generator=torch.Generator().manual_seed(rank))
+        got, gathered = torch.empty(6), torch.empty(6)
+        ring_reduce_scatter(got, x.clone(), solo)
+        ring_all_gather(gathered, x, solo)
+        found["solo"] = (x, got, gathered)
     errors = []
     for bad in (lambda: ring_reduce_scatter(torch.empty(3), torch.empty(7 * world + 1), group),
                 lambda: ring_reduce_scatter(torch.empty(3), torch.empty(7 * world), group),
@@ -129,6 +135,9 @@ def test_rings_match_gloo_collectives(tmp_path, world):
         if world == 3 and r != 1:
             got, want, gathered, want_gathered = found["subgroup"]
             assert torch.equal(got, want) and torch.equal(gathered, want_gathered)
+        if world == 3:  # a group of one: both are copies
+            x, got, gathered = found["solo"]
+            assert torch.equal(got, x) and torch.equal(gathered, x)
         errors = found["errors"]
         assert len(errors) == 3
         assert f"{7 * world + 1} elements" in errors[0] and f"into {world} equal" in errors[0]

@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter  # torch 2.13: only here
 
 __all__ = ["RingAllGather", "RingReduceScatter", "ring_all_gather", "ring_reduce_scatter"]
 
@@ -64,6 +64,9 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
     if output.numel() != chunks.shape[1] or output.dtype != input.dtype:
         raise ValueError(f"reduce-scatter output: {output.numel()} x {output.dtype}, expected "
                          f"{chunks.shape[1]} x {input.dtype} (input / world {world})")
+    if world == 1:
+        output.view(-1).copy_(chunks[0])
+        return
     staging = None
     for step in range(world - 1):
         send = chunks[(rank - 1 - step) % world]  # the partial sum of that chunk (at step 0: our own)
