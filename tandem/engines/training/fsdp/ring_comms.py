@@ -50,20 +50,22 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group:
         w.wait()
 
 
-def _chunks(t: torch.Tensor, world: int, what: str) -> torch.Tensor:
-    if not t.is_contiguous() or t.numel() % world:
-        raise ValueError(f"{what}: {t.numel()} elements (contiguous={t.is_contiguous()}) do not split "
-                         f"into {world} equal contiguous chunks")
-    return t.view(world, -1)
+def _split(whole: torch.Tensor, part: torch.Tensor, world: int, whole_name: str, part_name: str) -> torch.Tensor:
+    """``whole`` as ``[world, n]`` chunks, checked to split evenly and to match ``part`` (one chunk's worth)."""
+    if not whole.is_contiguous() or whole.numel() % world:
+        raise ValueError(f"{whole_name}: {whole.numel()} elements (contiguous={whole.is_contiguous()}) do not "
+                         f"split into {world} equal contiguous chunks")
+    chunks = whole.view(world, -1)
+    if part.numel() != chunks.shape[1] or part.dtype != whole.dtype:
+        raise ValueError(f"{part_name}: {part.numel()} x {part.dtype}, expected {chunks.shape[1]} x {whole.dtype} "
+                         f"({whole_name} / world {world})")
+    return chunks
 
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
     """``output`` = this rank's chunk of the sum of every rank's ``input`` (``input`` is overwritten)."""
     world, rank, nxt, prv = _neighbours(group)
-    chunks = _chunks(input, world, "reduce-scatter input")
-    if output.numel() != chunks.shape[1] or output.dtype != input.dtype:
-        raise ValueError(f"reduce-scatter output: {output.numel()} x {output.dtype}, expected "
-                         f"{chunks.shape[1]} x {input.dtype} (input / world {world})")
+    chunks = _split(input, output, world, "reduce-scatter input", "reduce-scatter output")
     if world == 1:
         output.view(-1).copy_(chunks[0])
         return
@@ -88,10 +90,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: dist.P
 def ring_all_gather(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
     """``output`` = every rank's ``input``, concatenated in rank order."""
     world, rank, nxt, prv = _neighbours(group)
-    chunks = _chunks(output, world, "all-gather output")
-    if input.numel() != chunks.shape[1] or output.dtype != input.dtype:
-        raise ValueError(f"all-gather input: {input.numel()} x {input.dtype}, expected "
-                         f"{chunks.shape[1]} x {output.dtype} (output / world {world})")
+    chunks = _split(output, input, world, "all-gather output", "all-gather input")
     if chunks[rank].data_ptr() != input.data_ptr():  # FSDP's copy-in already wrote it in place
         chunks[rank].copy_(input.view(-1))
     for step in range(world - 1):
