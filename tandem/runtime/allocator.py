@@ -166,6 +166,16 @@ def note_allocator(choice: str, mmap_threshold: int = 0) -> str:
     return active
 
 
+def _glibc() -> ctypes.CDLL | None:
+    """The C library when it is glibc (it has ``gnu_get_libc_version``), else None."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
 def set_mmap_threshold(nbytes: int) -> bool:
     """Fix glibc malloc's mmap threshold at ``nbytes`` for this process and its future children.
 
@@ -176,12 +186,10 @@ def set_mmap_threshold(nbytes: int) -> bool:
         raise ValueError(f"malloc_mmap_threshold={nbytes} must be in [0, {_MAX}] bytes (0: glibc's default)")
     if nbytes == 0 or not sys.platform.startswith("linux"):
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-        libc.gnu_get_libc_version  # noqa: B018 - glibc only (musl's mallopt ignores this option)
-    except (OSError, AttributeError):
+    libc = _glibc()  # glibc only: musl's mallopt ignores this option
+    if libc is None:
         return False
+    mallopt = libc.mallopt
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     if mallopt(_M_MMAP_THRESHOLD, int(nbytes)) != 1:
         log.warning("mallopt(M_MMAP_THRESHOLD, %d) was refused; freed host memory may stay resident", nbytes)
@@ -211,10 +219,10 @@ def release_free_memory() -> bool:
             mallctl = ctypes.CDLL(None).mallctl
             # MALLCTL_ARENAS_ALL (4096): every arena
             mallctl(b"arena.4096.purge", None, None, None, ctypes.c_size_t(0))
-        else:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            libc.gnu_get_libc_version  # noqa: B018 - glibc only
+        elif (libc := _glibc()) is not None:
             libc.malloc_trim(ctypes.c_size_t(0))
+        else:
+            return False
     except (OSError, AttributeError):
         return False
     return True
