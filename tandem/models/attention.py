@@ -3,18 +3,20 @@
 The model never builds masks itself: each layer hands its ``q [N, Hq, D]``, ``k, v [N, Hkv, D]`` to an
 `AttentionContext`, which knows how the ``N`` tokens group into sequences (and, for an inference
 engine, where the KV cache lives). Training uses `VarlenAttention` (packed causal sequences); the
-embedded inference engine provides a KV-cache context; the batch-invariant mode provides its own.
+embedded inference engine provides a KV-cache context; the batch-invariant mode provides its own. `SharedPrefixAttention`
+serves a packed batch in which sequences that share a prompt hold it once (`PrefixLayout`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["AttentionContext", "MoERouting", "VarlenAttention"]
+__all__ = ["AttentionContext", "MoERouting", "PrefixLayout", "SharedPrefixAttention", "VarlenAttention"]
 
 
 class AttentionContext(Protocol):
@@ -79,6 +81,103 @@ class VarlenAttention:
         )  # [S, Hq, Lmax, D]
         out = out.transpose(1, 2).reshape(self.num_seqs * self.max_len, hq, d)
         return out if self.uniform else out.index_select(0, self.padded_index)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixLayout:
+    """Where the pieces of a packed batch with shared prompts sit (token offsets into the flat batch).
+
+    ``prefixes[g] = (start, length)``: a prefix, stored once; ``suffixes[j] = (start, length, g)``: a
+    suffix whose sequence is prefix ``g`` followed by it (its positions continue at the prefix's length).
+    A prefix without suffixes is an ordinary packed sequence. Every token belongs to exactly one piece.
+    """
+
+    prefixes: tuple[tuple[int, int], ...]
+    suffixes: tuple[tuple[int, int, int], ...]
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        covered = [(s, n) for s, n in self.prefixes] + [(s, n) for s, n, _ in self.suffixes]
+        if any(n <= 0 for _, n in covered) or any(not 0 <= g < len(self.prefixes) for *_, g in self.suffixes):
+            raise ValueError(f"PrefixLayout: empty piece or unknown prefix in {self}")
+        mark = torch.zeros(self.num_tokens + 1, dtype=torch.long)
+        for s, n in covered:
+            mark[s : s + n] += 1
+        if mark[: self.num_tokens].ne(1).any() or sum(n for _, n in covered) != self.num_tokens:
+            raise ValueError(f"PrefixLayout: pieces must cover the {self.num_tokens} tokens exactly once")
+
+
+def _gather_index(starts: Sequence[int], lengths: Sequence[int], pad: int) -> torch.Tensor:
+    """``[S, Lmax]`` flat token index of each piece's tokens, right-padded with ``pad``."""
+    width = max(lengths)
+    col = torch.arange(width)
+    idx = torch.as_tensor(starts)[:, None] + col[None, :]
+    return torch.where(col[None, :] < torch.as_tensor(lengths)[:, None], idx, pad)
+
+
+class SharedPrefixAttention:
+    """Causal attention over a packed batch whose sequences share prefixes stored once (`PrefixLayout`).
+
+    A GRPO group's responses share their prompt: packing it once per group instead of once per response
+    removes its repeated projections and MLPs from the forward and backward (the "shared-prefix forward"
+    of Prefix Grouper, Liu et al. 2025). Each token gets the attention it would get in its own sequence:
+    a prefix token attends causally within the prefix, a suffix token to the whole prefix and causally
+    within its suffix; the gradients of the prefix sum over the suffixes that read it. Two SDPA calls
+    per layer: the prefixes (right-padded, causal) and the suffixes (queries right-padded, keys
+    ``prefix + suffix`` gathered per suffix, a mask for the prefix offset).
+    """
+
+    def __init__(self, layout: PrefixLayout) -> None:
+        self.layout = layout
+        self.num_tokens = n = layout.num_tokens
+        pre_starts = [s for s, _ in layout.prefixes]
+        pre_lengths = [m for _, m in layout.prefixes]
+        self.pre_index = _gather_index(pre_starts, pre_lengths, n)  # [G, Pmax]
+        rows = [self.pre_index.reshape(-1)]
+        self.suf_query = self.suf_key = self.suf_mask = None
+        if layout.suffixes:
+            starts = [s for s, _, _ in layout.suffixes]
+            lengths = torch.tensor([m for _, m, _ in layout.suffixes])
+            plen = torch.tensor([pre_lengths[g] for *_, g in layout.suffixes])
+            pstart = torch.tensor([pre_starts[g] for *_, g in layout.suffixes])
+            self.suf_query = _gather_index(starts, lengths.tolist(), n)  # [R, Smax]
+            width = int((plen + lengths).max())
+            t = torch.arange(width)[None, :]
+            key = torch.where(t < plen[:, None], pstart[:, None] + t, torch.as_tensor(starts)[:, None] + t - plen[:, None])
+            self.suf_key = torch.where(t < (plen + lengths)[:, None], key, n)  # [R, Kmax]
+            j = torch.arange(self.suf_query.shape[1])
+            # query j of suffix r sits at sequence position plen[r] + j and sees keys 0 .. plen[r] + j
+            self.suf_mask = (t[:, None, :] <= (plen[:, None] + j[None, :])[:, :, None])[:, None]  # [R, 1, Smax, Kmax]
+            rows.append(self.suf_query.reshape(-1))
+        # flat token -> its row in cat(prefix outputs, suffix outputs)
+        order = torch.cat(rows)
+        real = (order < n).nonzero(as_tuple=True)[0]
+        self.token_row = torch.empty(n, dtype=torch.long)
+        self.token_row[order[real]] = real
+
+    def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
+        n, hq, d = q.shape
+        if n != self.num_tokens:
+            raise ValueError(f"SharedPrefixAttention built for {self.num_tokens} tokens got {n}")
+        gqa = hq != k.shape[1]
+        qe, ke, ve = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (q, k, v))  # row n: padding
+
+        def rows(x, index):  # [S, L] index -> [S, H, L, D]
+            return x[index].transpose(1, 2)
+
+        ix = self.pre_index.to(q.device)
+        out = F.scaled_dot_product_attention(
+            rows(qe, ix), rows(ke, ix), rows(ve, ix), is_causal=True, scale=scale, enable_gqa=gqa
+        )
+        outs = [out.transpose(1, 2).reshape(-1, hq, d)]
+        if self.suf_query is not None:
+            iq, ik = self.suf_query.to(q.device), self.suf_key.to(q.device)
+            out = F.scaled_dot_product_attention(
+                rows(qe, iq), rows(ke, ik), rows(ve, ik), attn_mask=self.suf_mask.to(q.device), scale=scale,
+                enable_gqa=gqa,
+            )
+            outs.append(out.transpose(1, 2).reshape(-1, hq, d))
+        return torch.cat(outs).index_select(0, self.token_row.to(q.device))
 
 
 class MoERouting:

@@ -2,6 +2,7 @@
 
 from tandem.ops.batch_invariant import (
     KEY_TILE,
+    InvariantSharedPrefixAttention,
     InvariantVarlenAttention,
     batch_invariant_mode,
     invariant_attention,
@@ -13,6 +14,7 @@ from tandem.ops.linear import fast_linear, fast_linear_mode
 
 __all__ = [
     "KEY_TILE",
+    "InvariantSharedPrefixAttention",
     "InvariantVarlenAttention",
     "batch_invariant_mode",
     "fast_linear",

@@ -61,6 +61,7 @@ __all__ = [
     "KEY_TILE",
     "BF16_TILE",
     "bf16_invariant_path",
+    "InvariantSharedPrefixAttention",
     "InvariantVarlenAttention",
     "batch_invariant_mode",
     "group_queries",
@@ -328,28 +329,61 @@ class InvariantVarlenAttention:
         return cls(F.pad(torch.cumsum(lengths, 0), (1, 0)))
 
     def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
-        n, hq, d = q.shape
+        n = q.shape[0]
         if n != self.num_tokens:
             raise ValueError(f"InvariantVarlenAttention built for {self.num_tokens} tokens got {n}")
-        hkv = k.shape[1]
-        outs = []
-        for start, length in zip(self.starts, self.lengths, strict=True):
-            padded = round_up(length, KEY_TILE)
-            kp = F.pad(k[start : start + length].transpose(0, 1), (0, 0, 0, padded - length))
-            vp = F.pad(v[start : start + length].transpose(0, 1), (0, 0, 0, padded - length))
-            rows = group_queries(q[start : start + length], hkv)  # [Hkv, length * G, D]
-            limit = torch.arange(1, length + 1, device=q.device).repeat_interleave(hq // hkv)
-            out = invariant_attention(rows[None], kp[None], vp[None], limit[None], scale)[0]
-            outs.append(ungroup_queries(out, length))
+        outs = [_attend_piece(q, k, v, start, length, None, scale) for start, length in zip(self.starts, self.lengths, strict=True)]
         return torch.cat(outs, dim=0)
 
 
-def packed_attention(cu_seqlens: torch.Tensor):
+def _attend_piece(q, k, v, start: int, length: int, prefix: tuple[int, int] | None, scale: float) -> torch.Tensor:
+    """Invariant causal attention of tokens ``start .. start + length - 1`` of a packed batch, optionally
+    behind ``prefix = (start, length)``: the keys are then the prefix's followed by the piece's own."""
+    hq, hkv = q.shape[1], k.shape[1]
+    ks, vs = k[start : start + length], v[start : start + length]
+    before = 0
+    if prefix is not None:
+        ps, before = prefix
+        ks, vs = torch.cat([k[ps : ps + before], ks]), torch.cat([v[ps : ps + before], vs])
+    total = before + length
+    padded = round_up(total, KEY_TILE)
+    kp = F.pad(ks.transpose(0, 1), (0, 0, 0, padded - total))
+    vp = F.pad(vs.transpose(0, 1), (0, 0, 0, padded - total))
+    rows = group_queries(q[start : start + length], hkv)  # [Hkv, length * G, D]
+    limit = torch.arange(before + 1, total + 1, device=q.device).repeat_interleave(hq // hkv)
+    out = invariant_attention(rows[None], kp[None], vp[None], limit[None], scale)[0]
+    return ungroup_queries(out, length)
+
+
+class InvariantSharedPrefixAttention:
+    """`SharedPrefixAttention` (prompts stored once, `PrefixLayout`) with the numerics of the engine's KV
+    cache: a suffix's rows see ``prefix + suffix`` keys, the bits they get in their own sequence."""
+
+    def __init__(self, layout) -> None:
+        self.num_tokens = layout.num_tokens
+        pieces = [(s, m, None) for s, m in layout.prefixes]
+        pieces += [(s, m, layout.prefixes[g]) for s, m, g in layout.suffixes]
+        self.pieces = sorted(pieces, key=lambda p: p[0])
+
+    def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
+        if q.shape[0] != self.num_tokens:
+            raise ValueError(f"InvariantSharedPrefixAttention built for {self.num_tokens} tokens got {q.shape[0]}")
+        return torch.cat([_attend_piece(q, k, v, s, m, pre, scale) for s, m, pre in self.pieces], dim=0)
+
+
+def packed_attention(cu_seqlens: torch.Tensor, layout=None):
     """The attention context for a packed training forward: invariant inside `batch_invariant_mode`.
 
     Lets a training engine build its context in one place: `InvariantVarlenAttention` when the calling
-    thread is in the mode, the stock `tandem.models.attention.VarlenAttention` otherwise.
+    thread is in the mode, the stock `tandem.models.attention.VarlenAttention` otherwise; with a
+    ``layout`` (`tandem.models.attention.PrefixLayout`, prompts stored once) their shared-prefix forms.
     """
+    if layout is not None:
+        if is_batch_invariant():
+            return InvariantSharedPrefixAttention(layout)
+        from tandem.models.attention import SharedPrefixAttention
+
+        return SharedPrefixAttention(layout)
     if is_batch_invariant():
         return InvariantVarlenAttention(cu_seqlens)
     from tandem.models.attention import VarlenAttention

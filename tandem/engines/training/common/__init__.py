@@ -11,6 +11,10 @@ layouts:
 * **padded** (``input_ids [b, L]``): right-padded rows with an ``attention_mask``, for models that
   cannot take packed input (HF fallback).
 
+Packed with ``share_prompts``, rows that share a prompt hold it once (common/prompts.py): ``layout``
+(`tandem.models.attention.PrefixLayout`) says where each prompt and response piece sits and
+``cu_seqlens`` bounds the blocks (a prompt and its responses).
+
 Either way ``select [M]`` indexes the flattened hidden states ``[N or b*L, H]`` at the ``M`` predicting
 positions, ``targets [M]`` are the predicted token ids, and `MicroBatch.to_response` scatters ``[M]``
 values into response space ``[b, R]`` (zeros on padding).
@@ -35,6 +39,8 @@ import torch.distributed as dist
 from tandem.core.batch import TrainBatch, partition_by_token_budget
 from tandem.core.losses import reduce_micro_batch_metrics
 from tandem.core.protocols import LossScale
+from tandem.engines.training.common.prompts import plan_shared, prompt_units, shared_layout, unit_cost
+from tandem.models.attention import PrefixLayout
 from tandem.sync.base import bucketize
 
 __all__ = [
@@ -67,6 +73,7 @@ class MicroBatch:
     scatter: torch.Tensor  # [M] int64 into the flattened response space [b * R]
     response_shape: tuple[int, int]  # (b, R)
     routed_experts: torch.Tensor | None = None  # packed: [N, layers, topk] int32 (R3 replay)
+    layout: PrefixLayout | None = None  # packed with prompts stored once (common/prompts.py)
     is_dummy: bool = False  # a stand-in that keeps ranks in lockstep; contributes nothing
 
     @property
@@ -101,16 +108,36 @@ def _response_coords(batch: TrainBatch, width: int) -> tuple[torch.Tensor, torch
     return row_idx, col_idx, seq_pos
 
 
-def make_micro_batch(sub: TrainBatch, *, packed: bool, with_routing: bool = False) -> MicroBatch:
+def make_micro_batch(
+    sub: TrainBatch, *, packed: bool, with_routing: bool = False, share_prompts: bool = False
+) -> MicroBatch:
     """The model inputs of batch ``sub`` (one micro-batch's rows) in the packed or padded layout.
 
     ``with_routing`` carries ``sub.routed_experts`` along the packed tokens for MoE routing replay.
+    ``share_prompts`` (packed, without routing replay: a prompt's routing is recorded per row) stores
+    each prompt that several rows share once.
     """
     width = int(sub.loss_mask.shape[1])
     fed = (sub.seq_lengths - 1).clamp(min=0)  # tokens fed per row
     row_idx, col_idx, seq_pos = _response_coords(sub, width)
     scatter = row_idx * width + col_idx
     targets = sub.input_ids[row_idx, seq_pos + 1]
+    routing = with_routing and sub.routed_experts is not None
+    shared = shared_layout(sub, row_idx, seq_pos) if packed and share_prompts and not routing else None
+    if shared is not None:
+        ids, positions, layout, select = shared
+        starts = [start for start, _ in layout.prefixes]
+        return MicroBatch(
+            input_ids=ids,
+            positions=positions,
+            cu_seqlens=torch.tensor([*starts, layout.num_tokens]),
+            attention_mask=None,
+            select=select,
+            targets=targets,
+            scatter=scatter,
+            response_shape=(sub.batch_size, width),
+            layout=layout,
+        )
     if not packed:
         length = max(int(fed.max()), 1)
         ids = sub.input_ids[:, :length]
@@ -191,8 +218,15 @@ def check_batch(batch: TrainBatch, *, max_context: int, micro_batch_tokens: int)
         )
 
 
-def plan_micro_batches(batch: TrainBatch, micro_batch_tokens: int) -> list[list[int]]:
-    """Row indices per micro-batch: first-fit decreasing on sequence lengths under the token budget."""
+def plan_micro_batches(
+    batch: TrainBatch, micro_batch_tokens: int, *, share_prompts: bool = False
+) -> list[list[int]]:
+    """Row indices per micro-batch: first-fit decreasing on sequence lengths under the token budget.
+
+    ``share_prompts``: rows sharing a prompt stay together, costed with the prompt once (`plan_shared`).
+    """
+    if share_prompts:
+        return plan_shared(batch, micro_batch_tokens)
     return partition_by_token_budget(batch.seq_lengths.tolist(), micro_batch_tokens)
 
 
@@ -286,23 +320,28 @@ def tandem_version() -> str:
         return ""
 
 
-def split_for_data_parallel(batch: TrainBatch, num_ranks: int) -> list[list[int]]:
+def split_for_data_parallel(batch: TrainBatch, num_ranks: int, *, share_prompts: bool = False) -> list[list[int]]:
     """Rows for each of ``num_ranks`` ranks, balancing token counts (longest-first greedy).
 
     Every rank gets at least one row when the batch has that many; rows stay in ascending order.
+    ``share_prompts``: rows sharing a prompt go to one rank (costed with the prompt once) when there
+    are at least as many such units as ranks.
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks={num_ranks} must be >= 1")
     if batch.batch_size < num_ranks:
         raise ValueError(f"batch of {batch.batch_size} rows cannot feed {num_ranks} data-parallel ranks")
-    lengths = batch.seq_lengths.tolist()
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    units = prompt_units(batch) if share_prompts else []
+    if len(units) < num_ranks:
+        units = [[i] for i in range(batch.batch_size)]
+    cost = [unit_cost(batch, u) for u in units]
+    order = sorted(range(len(units)), key=lambda k: (-cost[k], units[k][0]))
     shards: list[list[int]] = [[] for _ in range(num_ranks)]
     load = [0] * num_ranks
-    for i in order:
-        k = min(range(num_ranks), key=lambda r: (load[r], len(shards[r])))
-        shards[k].append(i)
-        load[k] += lengths[i]
+    for k in order:
+        r = min(range(num_ranks), key=lambda r: (load[r], len(shards[r])))
+        shards[r].extend(units[k])
+        load[r] += cost[k]
     return [sorted(s) for s in shards]
 
 

@@ -112,6 +112,10 @@ class FSDPConfig:
     ``micro_batch_tokens`` bounds the tokens of one forward/backward (dynamic batch size): sequences
     are packed into micro-batches of at most that many tokens. ``packing = False`` (or a model the
     native implementation does not cover) uses the HF model with padded micro-batches instead.
+    ``share_prompts`` (packed only): rows that share a prompt (a GRPO group) feed it once per
+    micro-batch instead of once per row, and stay in one micro-batch; the same log-probs and gradients
+    (bit for bit in deterministic mode) for fewer tokens. Off with ``routing_replay`` (a prompt's
+    routing is recorded per row).
     ``temperature`` scales logits before the log-softmax, like the inference engine's sampler.
 
     ``qat`` (`tandem.kernels.QuantConfig`): quantization-aware training. The targeted linear layers
@@ -132,6 +136,7 @@ class FSDPConfig:
     logprob_chunk: int = 1024  # rows of full-vocabulary logits computed at once
     temperature: float = 1.0
     packing: bool = True
+    share_prompts: bool = True  # a prompt shared by several rows is fed once (training/common/prompts.py)
     routing_replay: bool = False  # R3: replay batch.routed_experts in MoE layers
     deterministic: bool = False  # batch-invariant ops (tandem.ops): log-probs equal the embedded engine's
     qat: QuantConfig | None = None  # fake-quantized forward of the targeted linears (tandem.kernels)

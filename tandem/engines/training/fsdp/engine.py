@@ -274,7 +274,8 @@ class FSDPEngine:
 
     def local_rows(self, batch: TrainBatch) -> list[int]:
         """The rows of a global ``batch`` this rank works on (every row in one process)."""
-        return split_for_data_parallel(batch, self.ctx.world_size)[self.ctx.rank]
+        share = self._share(self.policy.module.native)
+        return split_for_data_parallel(batch, self.ctx.world_size, share_prompts=share)[self.ctx.rank]
 
     def forward_logprobs(
         self, batch: TrainBatch, *, with_entropy: bool = False, model: Role = "policy"
@@ -285,7 +286,7 @@ class FSDPEngine:
         """
         module, scope = self._module_for(model)
         self._check(batch)
-        plan = plan_micro_batches(batch, self.config.micro_batch_tokens)
+        plan = self._plan(batch, module.native)
         rows_b, width = batch.batch_size, int(batch.loss_mask.shape[1])
         logp = torch.zeros(rows_b, width)
         entropy = torch.zeros(rows_b, width) if with_entropy and model != "critic" else None
@@ -339,7 +340,7 @@ class FSDPEngine:
         with_entropy = bool(getattr(loss_fn, "needs_entropy", False)) and model == "policy"
         stats = _StepStats()
         loss_total = torch.zeros((), dtype=torch.float64)
-        plan = plan_micro_batches(batch, self.config.micro_batch_tokens)
+        plan = self._plan(batch, module.native)
         for sub, mb in self._micro_batches(batch, plan, module.native):
             with self._invariant():
                 lp, ent, routing = self._run(module, mb, with_entropy=with_entropy)
@@ -520,6 +521,12 @@ class FSDPEngine:
         if self.config.routing_replay and batch.routed_experts is None:
             raise ValueError("routing_replay=True but the batch has no routed_experts")
 
+    def _share(self, native: bool) -> bool:
+        return native and self.config.share_prompts and not self.config.routing_replay
+
+    def _plan(self, batch: TrainBatch, native: bool) -> list[list[int]]:
+        return plan_micro_batches(batch, self.config.micro_batch_tokens, share_prompts=self._share(native))
+
     def _micro_batches(self, batch: TrainBatch, plan: list[list[int]], native: bool):
         """``(rows' sub-batch, MicroBatch)`` pairs, the micro-batch on the device.
 
@@ -530,7 +537,9 @@ class FSDPEngine:
         for k in range(count):
             if k < len(plan):
                 sub = batch.select(plan[k])
-                mb = make_micro_batch(sub, packed=native, with_routing=self.config.routing_replay)
+                mb = make_micro_batch(
+                    sub, packed=native, with_routing=self.config.routing_replay, share_prompts=self._share(native)
+                )
                 if mb.num_tokens and mb.targets.numel():
                     yield sub, mb.to(self.ctx.device)
                     continue

@@ -105,7 +105,7 @@ def _hidden(lm: nn.Module, native: bool, mb: MicroBatch, routing: MoERouting | N
             tied_grad: TiedGrad | None = None) -> torch.Tensor:
     """Final-norm hidden states of every fed token, flattened ``[N or b*L, H]``."""
     if native:  # invariant attention inside batch_invariant_mode (deterministic), varlen SDPA outside
-        return lm(mb.input_ids, mb.positions, packed_attention(mb.cu_seqlens), routing, tied_grad=tied_grad)
+        return lm(mb.input_ids, mb.positions, packed_attention(mb.cu_seqlens, mb.layout), routing, tied_grad=tied_grad)
     out = lm.base_model(
         input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.positions, use_cache=False
     )
