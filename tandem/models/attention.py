@@ -162,8 +162,9 @@ class SharedPrefixAttention:
         gqa = hq != k.shape[1]
         qe, ke, ve = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (q, k, v))  # row n: padding
 
-        def rows(x, index):  # [S, L] index -> [S, H, L, D]
-            return x[index].transpose(1, 2)
+        def rows(x, index):  # [S, L] index -> [S, H, L, D]; index_select: its backward (index_add) is ~4x
+            # faster on CPU than advanced indexing's (index_put with accumulate)
+            return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:]).transpose(1, 2)
 
         ix = self.pre_index.to(q.device)
         out = F.scaled_dot_product_attention(
