@@ -19,12 +19,20 @@ from tandem.engines.training.common import (
     split_for_data_parallel,
 )
 from tandem.engines.training.common.prompts import prompt_units
-from tandem.engines.training.fsdp import FSDPConfig, FSDPEngine, OptimizerConfig
+from tandem.engines.training.fsdp import CriticConfig, FSDPConfig, FSDPEngine, LoRAConfig, OptimizerConfig
 from tandem.models import ModelConfig
 from tandem.models.attention import PrefixLayout, SharedPrefixAttention, VarlenAttention
 from tandem.ops import InvariantSharedPrefixAttention, InvariantVarlenAttention, batch_invariant_mode
 
-from .helpers import TINY, EntropyBonusLoss, engine_grads, max_abs_diff, sync_weights, token_mean_pg
+from .helpers import (
+    TINY,
+    EntropyBonusLoss,
+    engine_grads,
+    max_abs_diff,
+    sync_weights,
+    token_mean_pg,
+    value_mse,
+)
 
 OPT = OptimizerConfig(lr=1e-3, eps=1e-4, grad_clip=1.0, weight_decay=0.01)
 
@@ -218,3 +226,20 @@ def test_deterministic_engine_with_shared_prompts_gives_the_same_bits(seed):
     plain, shared = _engine(False, deterministic=True), _engine(True, deterministic=True)
     a, b = plain.forward_logprobs(batch, with_entropy=True), shared.forward_logprobs(batch, with_entropy=True)
     assert torch.equal(a.log_probs, b.log_probs) and torch.equal(a.entropy, b.entropy)
+
+
+def test_critic_and_lora_with_shared_prompts_match_without():
+    # the critic reads the same hidden states; LoRA adapters sit in the same linears
+    batch = _grouped_batch(seed=5)
+    batch.returns = torch.randn(batch.loss_mask.shape, generator=torch.Generator().manual_seed(6)) * batch.loss_mask
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj", "down_proj"))
+    critic = CriticConfig(optimizer=OptimizerConfig(lr=1e-2))
+    plain, shared = _engine(False, lora=lora, critic=critic), _engine(True, lora=lora, critic=critic)
+    for engine in (plain, shared):
+        engine.train_step(batch, value_mse, model="critic")
+        engine.train_step(batch, token_mean_pg)
+    for model in ("critic", "policy"):
+        a, b = plain.forward_logprobs(batch, model=model), shared.forward_logprobs(batch, model=model)
+        got, want = (b.values, a.values) if model == "critic" else (b.log_probs, a.log_probs)
+        assert want.abs().sum() > 0
+        torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
