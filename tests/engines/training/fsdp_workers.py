@@ -23,7 +23,16 @@ from tandem.engines.training.fsdp import (
 from tandem.engines.training.fsdp.vocab_parallel import VocabParallelEmbedding
 from tandem.models import ModelConfig
 
-from .helpers import TINY, NaNOnCall, engine_grads, make_batch, sync_weights, token_mean_pg, value_mse
+from .helpers import (
+    GROUPED,
+    TINY,
+    NaNOnCall,
+    engine_grads,
+    make_batch,
+    sync_weights,
+    token_mean_pg,
+    value_mse,
+)
 
 OPT = OptimizerConfig(lr=1e-3, eps=1e-4, grad_clip=1.0, weight_decay=0.01)  # eps: see test_fsdp_engine
 UNEVEN = [[0, 1, 2, 3, 4, 5], [6, 7]]  # rank 0 has more micro-batches: rank 1 runs stand-ins
@@ -39,7 +48,15 @@ CASES: dict[str, tuple[dict, list[list[int]] | None]] = {
         None,
     ),
     "lora": ({"micro_batch_tokens": 20, "lora": LoRAConfig(rank=4, target_modules=("q_proj", "up_proj"))}, None),
+    # GRPO-like batches whose groups share prompts, split as the engine splits them (groups kept on one rank)
+    "shared-prompts": ({"micro_batch_tokens": 24}, "shared"),
 }
+
+
+def case_batch(case: str, seed: int) -> TrainBatch:
+    if case == "shared-prompts":
+        return make_batch(GROUPED, seed=seed, shared_prompts=True)
+    return make_batch(seed=seed)
 
 
 def config(**overrides) -> FSDPConfig:
@@ -47,13 +64,15 @@ def config(**overrides) -> FSDPConfig:
     return FSDPConfig(model=ModelConfig(name=TINY), **overrides)
 
 
-def local_rows(batch: TrainBatch, rank: int, world: int, split: list[list[int]] | None) -> list[int]:
+def local_rows(batch: TrainBatch, rank: int, world: int, split: list[list[int]] | str | None) -> list[int]:
+    if split == "shared":
+        return split_for_data_parallel(batch, world, share_prompts=True)[rank]
     return (split or split_for_data_parallel(batch, world))[rank]
 
 
-def two_steps(engine: FSDPEngine, rank: int, world: int, split) -> dict:
+def two_steps(engine: FSDPEngine, rank: int, world: int, split, case: str = "") -> dict:
     """Gradients + metrics of step 1, weights after step 2, log-probs of this rank's rows."""
-    first, second = make_batch(seed=0), make_batch(seed=1)
+    first, second = case_batch(case, 0), case_batch(case, 1)
     rows = local_rows(first, rank, world, split)
     stats = engine._accumulate_gradients(first.select(rows), token_mean_pg)
     grads = engine_grads(engine)
@@ -68,7 +87,7 @@ def two_steps(engine: FSDPEngine, rank: int, world: int, split) -> dict:
 def equivalence(rank: int, world: int, out_dir: str) -> None:
     results = {}
     for name, (overrides, split) in CASES.items():
-        results[name] = two_steps(FSDPEngine(config(**overrides)), rank, world, split)
+        results[name] = two_steps(FSDPEngine(config(**overrides)), rank, world, split, name)
     # a NaN loss on rank 1 only: every rank skips, nothing moves
     engine = FSDPEngine(config(micro_batch_tokens=20))
     batch = make_batch()

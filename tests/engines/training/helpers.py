@@ -24,12 +24,23 @@ TINY = "tiny-llama"
 MIXED = [(5, 7), (3, 12), (9, 4), (2, 1), (6, 9), (4, 3), (7, 6), (3, 10)]
 
 
-def make_batch(shape: Sequence[tuple[int, int]] = MIXED, *, seed: int = 0, vocab: int = 512) -> TrainBatch:
-    """Random token ids, advantages, and a loss mask with one environment span (row 1)."""
+# GRPO-like: rows 2k and 2k + 1 share a prompt length; with ``shared_prompts`` also the prompt's tokens
+GROUPED = [(5, 7), (5, 12), (9, 4), (9, 1), (6, 9), (6, 3), (7, 6), (7, 10)]
+
+
+def make_batch(
+    shape: Sequence[tuple[int, int]] = MIXED, *, seed: int = 0, vocab: int = 512, shared_prompts: bool = False
+) -> TrainBatch:
+    """Random token ids, advantages, and a loss mask with one environment span (row 1).
+
+    ``shared_prompts``: a row with the group index (``i // 2``) and prompt length of the row before it
+    repeats that row's prompt tokens (the rows of a GRPO group)."""
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i, (p, r) in enumerate(shape):
         tokens = torch.randint(3, vocab, (p + r,), generator=g).tolist()
+        if shared_prompts and i % 2 and shape[i - 1][0] == p:
+            tokens[:p] = samples[-1].tokens[:p]
         mask = [1] * r
         if i == 1 and r > 6:
             mask[3:6] = [0, 0, 0]  # a tool result inside the response
