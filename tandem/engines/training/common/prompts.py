@@ -29,9 +29,10 @@ def prompt_units(batch: TrainBatch) -> list[list[int]]:
     """Rows grouped by identical prompts (rows without a response token stand alone), in first-row order."""
     plen = batch.prompt_lengths.tolist()
     resp = batch.response_lengths.tolist()
+    ids = batch.input_ids.numpy()
     units: dict[object, list[int]] = {}
     for i in range(batch.batch_size):
-        key = (plen[i], tuple(batch.input_ids[i, : plen[i]].tolist())) if resp[i] > 0 else ("alone", i)
+        key = (plen[i], ids[i, : plen[i]].tobytes()) if resp[i] > 0 else ("alone", i)
         units.setdefault(key, []).append(i)
     return list(units.values())
 
