@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.core.batch import TrainBatch
+from tandem.core.batch import TrainBatch, partition_by_token_budget
 from tandem.models.attention import PrefixLayout
 
 __all__ = ["plan_shared", "prompt_units", "shared_layout"]
@@ -70,20 +70,8 @@ def plan_shared(batch: TrainBatch, max_tokens: int) -> list[list[int]]:
                 f"sequence {rows[0]} has {cost} tokens, more than the micro-batch token budget {max_tokens}; "
                 f"raise the budget to at least {cost}"
             )
-    order = sorted(range(len(pieces)), key=lambda k: -pieces[k][0])
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for k in order:
-        cost, rows = pieces[k]
-        for b, free in enumerate(room):
-            if cost <= free:
-                bins[b].extend(rows)
-                room[b] -= cost
-                break
-        else:
-            bins.append(list(rows))
-            room.append(max_tokens - cost)
-    return [sorted(b) for b in bins]
+    bins = partition_by_token_budget([cost for cost, _ in pieces], max_tokens)  # first-fit decreasing
+    return [sorted(row for k in b for row in pieces[k][1]) for b in bins]
 
 
 def shared_layout(
