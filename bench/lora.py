@@ -16,6 +16,13 @@ and the reward of every step. Medians over repeats, with the spread (min-max).
     python bench/lora.py --decode 64x32   # the engine alone: no adapter / merged adapter / unmerged (~3 min)
     python bench/lora.py --sleep-frees --steps 4   # full fine-tuning, the engine freeing its weights at
                                                    # sleep (sleep_frees_weights) vs keeping them (~14 min)
+    python bench/lora.py --fixed-work --steps 3    # the three trainers on one fixed batch (~6 min)
+
+``--fixed-work``: the runs above train on the groups their own rewards keep (``drop_zero_std_groups``), so the
+sides' steps differ in work. Here each recipe's run is built (fresh process, alternating) and its trainer takes
+``--steps`` optimizer steps on one fixed GRPO batch (`bench/prompt_sharing.py`'s: 8 prompts x 8 responses of
+8-48 tokens, random advantages); the first is left out. RESULT keys ``lora_fixed_work_step_ratio``,
+``qlora_fixed_work_step_ratio`` (training step time over full fine-tuning's).
 
 Ends with ``RESULT {json}``; keys and aims (issue 20): ``lora_sync_bytes_ratio`` <= 0.02 (of full),
 ``lora_peak_memory_ratio`` <= 0.6, ``qlora_peak_memory_ratio`` <= 0.45, ``lora_step_time_ratio`` <= 1.0.
@@ -86,6 +93,51 @@ def child(name: str, steps: int, out: Path, overrides: list[str]) -> None:
     }), flush=True)
 
 
+def fixed_work_child(name: str, steps: int, out: Path, overrides: list[str]) -> None:
+    """The recipe's trainer, built as a run builds it, stepping on one fixed batch; prints one JSON line."""
+    from tandem.config import load_config
+    from tandem.runtime.allocator import reexec_under
+    from tandem.runtime.config import RunConfig
+    from tandem.runtime.loop import Run
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from prompt_sharing import make_batch, pg_loss
+
+    cfg = load_config(RunConfig, RECIPES[name], ["run.save_every=0", "eval.sets=[]", "tracking.progress=false",
+                                                 *overrides])
+    reexec_under(cfg.runtime.allocator)
+    run = Run(cfg, out, overwrite=True)
+    batch = make_batch(cfg.model.name, 8, 8)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        run.trainer.train_step(batch, pg_loss)
+        times.append(time.perf_counter() - t)
+    run.close()
+    print(json.dumps({"name": name, "train_s": times}), flush=True)
+
+
+def fixed_work(steps: int, repeats: int, overrides: list[str]) -> int:
+    names = list(RECIPES)
+    runs: dict[str, list[float]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory(prefix="tandem-bench-lora-fixed-") as tmp:
+        for rep in range(repeats):
+            for name in names[rep % len(names):] + names[:rep % len(names)]:
+                r = _run_child(name, steps, Path(tmp) / f"{name}-{rep}", overrides, mode="--fixed-child")
+                runs[name].append(_med(r["train_s"][1:]))
+                print(f"repeat {rep + 1}/{repeats} {name:>5}: {runs[name][-1]:.2f} s a training step "
+                      f"({', '.join(f'{t:.2f}' for t in r['train_s'])})", file=sys.stderr, flush=True)
+    med = {n: _med(v) for n, v in runs.items()}
+    for n in names:
+        print(f"{n:>6}: {med[n]:.2f} s a training step ({_spread(runs[n])})")
+    result = {"lora_fixed_work_step_ratio": round(med["lora"] / med["full"], 3),
+              "qlora_fixed_work_step_ratio": round(med["qlora"] / med["full"], 3),
+              "train_s": {n: round(med[n], 3) for n in names}, "train_s_min_max": {n: _spread(runs[n]) for n in names},
+              "steps": steps, "repeats": repeats, "overrides": overrides}
+    print("RESULT " + json.dumps(result))
+    return 0
+
+
 def decode(seqs: int, new_tokens: int, repeats: int) -> int:
     """The engine alone: ``seqs`` x ``new_tokens`` sampled tokens with no adapter, with a rank-16 adapter
     on every linear layer merged into the packed weights (the default), and served unmerged
@@ -137,8 +189,8 @@ def decode(seqs: int, new_tokens: int, repeats: int) -> int:
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _run_child(name: str, steps: int, out: Path, overrides: list[str]) -> dict:
-    proc = subprocess.run([sys.executable, __file__, "--child", name, "--steps", str(steps), "--out", str(out),
+def _run_child(name: str, steps: int, out: Path, overrides: list[str], mode: str = "--child") -> dict:
+    proc = subprocess.run([sys.executable, __file__, mode, name, "--steps", str(steps), "--out", str(out),
                            *[f"--set={o}" for o in overrides]],
                           cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if proc.returncode != 0:
@@ -205,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: the engine alone, no adapter vs merged vs unmerged (e.g. 64x32)")
     ap.add_argument("--sleep-frees", action="store_true",
                     help="instead: full fine-tuning, the engine freeing its weights at sleep vs keeping them")
+    ap.add_argument("--fixed-work", action="store_true",
+                    help="instead: the three trainers' step time on one fixed batch (equal work)")
     ap.add_argument("--child", choices=sorted(RECIPES), help=argparse.SUPPRESS)
+    ap.add_argument("--fixed-child", choices=sorted(RECIPES), help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.steps < 2:
@@ -220,6 +275,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         child(args.child, args.steps, Path(args.out), args.set)
         return 0
+    if args.fixed_child:
+        fixed_work_child(args.fixed_child, args.steps, Path(args.out), args.set)
+        return 0
+    if args.fixed_work:
+        return fixed_work(args.steps, max(args.repeats, 1), args.set)
     names = list(RECIPES)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="tandem-bench-lora-") as tmp:
