@@ -128,7 +128,6 @@ class SharedPrefixAttention:
     """
 
     def __init__(self, layout: PrefixLayout) -> None:
-        self.layout = layout
         self.num_tokens = n = layout.num_tokens
         pre_starts = [s for s, _ in layout.prefixes]
         pre_lengths = [m for _, m in layout.prefixes]
