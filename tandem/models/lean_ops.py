@@ -28,10 +28,10 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-__all__ = ["pointwise_kernels", "rms_norm", "rotary", "silu", "silu_override", "swiglu"]
+__all__ = ["backward_kernels", "pointwise_kernels", "rms_norm", "rotary", "silu", "silu_override", "swiglu"]
 
 _native = threading.local()  # .lib: tandem.ops.native's "pointwise" library inside `pointwise_kernels`;
-# .silu: the SiLU inside `silu_override`
+# .grad_lib: the same inside `backward_kernels`; .silu: the SiLU inside `silu_override`
 
 
 @contextlib.contextmanager
@@ -66,6 +66,25 @@ def pointwise_kernels(lib) -> contextlib.AbstractContextManager[None]:
     return _setting("lib", lib)
 
 
+def backward_kernels(lib) -> contextlib.AbstractContextManager[None]:
+    """Inside (this thread), the lean autograd functions recorded here run their backward passes as one-pass
+    native kernels (csrc/pointwise.c) where the operands suit them: the formulas below in float32, ~1e-7
+    relative from the torch ops' results (a polynomial exp, reordered sums). The forward is untouched. The
+    library is captured when a function is recorded, so the backward may run outside the block; wrap the
+    backward too where it recomputes (activation checkpointing). The FSDP engine's normal mode on CPU
+    (``trainer.fsdp.pointwise_kernels``). ``lib=None``: a no-op."""
+    return _setting("grad_lib", lib)
+
+
+def _grad_lib():
+    lib = getattr(_native, "grad_lib", None)
+    if lib is None:
+        return None, None
+    from tandem.ops import native
+
+    return lib, native
+
+
 def _kernels():
     lib = getattr(_native, "lib", None)
     if lib is None:
@@ -96,11 +115,16 @@ class _RMSNorm(torch.autograd.Function):
         h = x.float()
         r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, r)
+        ctx.kernels = _grad_lib()
         return weight * (h * r).to(dtype)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         x, weight, r = ctx.saved_tensors
+        lib, native = ctx.kernels
+        if lib is not None and (out := native.rms_norm_backward(lib, x, weight, r, dy)) is not None:
+            dx, dw = out
+            return (dx if ctx.needs_input_grad[0] else None), (dw if ctx.needs_input_grad[1] else None), None
         n = x.float() * r
         dx = dw = None
         if ctx.needs_input_grad[0]:
@@ -139,11 +163,15 @@ class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(cos, sin)
+        ctx.kernels = _grad_lib()
         return x * cos + _rotate_half(x) * sin
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         cos, sin = ctx.saved_tensors
+        lib, native = ctx.kernels
+        if lib is not None and (dx := native.rotary_backward(lib, dy, cos, sin)) is not None:
+            return dx, None, None
         return dy * cos + _rotate_half_t(dy * sin), None, None
 
 
@@ -164,11 +192,16 @@ class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(a, b)
+        ctx.kernels = _grad_lib()
         return F.silu(a) * b
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         a, b = ctx.saved_tensors
+        lib, native = ctx.kernels
+        if lib is not None and (out := native.swiglu_backward(lib, a, b, dy)) is not None:
+            da, db = out
+            return (da if ctx.needs_input_grad[0] else None), (db if ctx.needs_input_grad[1] else None)
         wide = torch.promote_types(a.dtype, torch.float32)
         af = a.to(wide)
         s = torch.sigmoid(af)

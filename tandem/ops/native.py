@@ -16,7 +16,9 @@ The third, ``csrc/pack.c``, writes a linear weight into the memory of its oneDNN
 transpose, near memcpy's rate; oneDNN's reorder allocates anew and runs at a quarter of it), optionally
 copying it into the plain weight in the same pass: a weight sync into a packing engine (tandem/ops/linear.py).
 The fourth, ``csrc/pointwise.c``, runs RMSNorm, rotary embedding and SwiGLU in one pass each instead of
-~25 small torch ops per layer (tandem/models/lean_ops.py calls it inside `pointwise_kernels`).
+~25 small torch ops per layer (tandem/models/lean_ops.py calls it inside `pointwise_kernels`), and their
+backward passes for the trainer (inside `lean_ops.backward_kernels`: SwiGLU's backward is ~9 torch ops over
+[tokens, 1536] operands a layer; its reductions run in an order that does not depend on the thread count).
 
 Build. `load(name)` compiles ``csrc/<name>.c`` with ``cc -O3 -march=native -ffast-math -fopenmp -c`` and links it
 without fast math (which would set flush-to-zero for the whole process) into the kernel cache
@@ -51,7 +53,8 @@ from pathlib import Path
 import torch
 
 __all__ = ["NativeKernelError", "cpu_has_native_bf16", "decode_attention", "kernel_cache_dir", "load", "native_enabled",
-           "pack_b64", "rms_norm", "rotary", "sample", "swiglu"]
+           "pack_b64", "rms_norm", "rms_norm_backward", "rotary", "rotary_backward", "sample", "swiglu",
+           "swiglu_backward"]
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +190,13 @@ def _bind(name: str, lib: ctypes.CDLL) -> None:
         lib.tandem_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float, ctypes.c_int]
         lib.tandem_swiglu.argtypes = [ptr, ptr, ptr, i64, ctypes.c_int]
         lib.tandem_rotary.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        lib.tandem_swiglu_backward.restype = lib.tandem_rms_norm_backward.restype = None
+        lib.tandem_rotary_backward.restype = None
+        lib.tandem_swiglu_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, ctypes.c_int]
+        lib.tandem_rms_norm_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, ctypes.c_int]
+        lib.tandem_rotary_backward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
+        lib.tandem_rms_block.restype = i64
+        lib.tandem_rms_block.argtypes = []
     elif name == "pack":
         lib.tandem_pack_b64.restype = ctypes.c_int
         lib.tandem_pack_b64.argtypes = [ptr, ptr, ptr, i64, i64]
@@ -322,4 +332,63 @@ def rotary(lib: ctypes.CDLL, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     out = torch.empty((n, h, d), dtype=dtype)
     lib.tandem_rotary(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), n, h, d,
                       dtype is torch.bfloat16)
+    return out
+
+
+def _same(dtype: torch.dtype, *tensors: torch.Tensor) -> bool:
+    return all(t.dtype == dtype and t.is_cpu for t in tensors)
+
+
+def swiglu_backward(lib: ctypes.CDLL, a: torch.Tensor, b: torch.Tensor,
+                    dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The gradients ``(da, db)`` of ``silu(a) * b`` for ``dy`` in one pass (float32 arithmetic, rounded once to
+    the dtype, as lean_ops' torch formula), or None where the kernel does not apply."""
+    dtype = a.dtype
+    if (dtype not in _POINTWISE_DTYPES or not _same(dtype, a, b, dy) or a.shape != b.shape or dy.shape != a.shape
+            or not a.is_contiguous() or not b.is_contiguous()):
+        return None
+    dy = dy.contiguous()
+    da, db = torch.empty_like(a), torch.empty_like(b)
+    lib.tandem_swiglu_backward(a.data_ptr(), b.data_ptr(), dy.data_ptr(), da.data_ptr(), db.data_ptr(), a.numel(),
+                               dtype is torch.bfloat16)
+    return da, db
+
+
+def rms_norm_backward(lib: ctypes.CDLL, x: torch.Tensor, weight: torch.Tensor, rsqrt: torch.Tensor,
+                      dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """RMSNorm's gradients ``(dx, dw)`` for ``dy`` given the forward's input ``x [..., D]``, ``weight [D]`` and
+    float32 ``rsqrt`` (one per row), or None where the kernel does not apply. ``dw`` sums per block of rows, then
+    the blocks in order: the same bits at any thread count."""
+    dtype = x.dtype
+    d = x.shape[-1] if x.dim() else 0
+    if (dtype not in _POINTWISE_DTYPES or not _same(dtype, x, weight, dy) or d == 0 or weight.shape != (d,)
+            or dy.shape != x.shape or not x.is_contiguous() or not weight.is_contiguous()
+            or rsqrt.dtype != torch.float32 or not rsqrt.is_cpu or not rsqrt.is_contiguous()
+            or rsqrt.numel() != x.numel() // d):
+        return None
+    rows = x.numel() // d
+    dy = dy.contiguous()
+    block = lib.tandem_rms_block()
+    partial = torch.empty((rows + block - 1) // block, d, dtype=torch.float32)
+    dx = torch.empty_like(x)
+    lib.tandem_rms_norm_backward(x.data_ptr(), weight.data_ptr(), rsqrt.data_ptr(), dy.data_ptr(), dx.data_ptr(),
+                                 partial.data_ptr(), rows, d, dtype is torch.bfloat16)
+    return dx, partial.sum(0).to(weight.dtype)
+
+
+def rotary_backward(lib: ctypes.CDLL, dy: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor) -> torch.Tensor | None:
+    """The gradient of ``x * cos + rotate_half(x) * sin`` for ``dy [N, H, D]`` with ``cos, sin`` of ``N x D``
+    elements (``[N, D]`` or ``[N, 1, D]``), or None where the kernel does not apply."""
+    dtype = dy.dtype
+    if dtype not in _POINTWISE_DTYPES or dy.dim() != 3 or not _same(dtype, dy, cos, sin):
+        return None
+    n, h, d = dy.shape
+    if (d % 2 or cos.numel() != n * d or sin.numel() != n * d or cos.shape[0] != n or not cos.is_contiguous()
+            or not sin.is_contiguous()):
+        return None
+    dy = dy.contiguous()
+    out = torch.empty((n, h, d), dtype=dtype)
+    lib.tandem_rotary_backward(dy.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), n, h, d,
+                               dtype is torch.bfloat16)
     return out

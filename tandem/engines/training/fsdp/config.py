@@ -140,6 +140,10 @@ class FSDPConfig:
     routing_replay: bool = False  # R3: replay batch.routed_experts in MoE layers
     deterministic: bool = False  # batch-invariant ops (tandem.ops): log-probs equal the embedded engine's
     qat: QuantConfig | None = None  # fake-quantized forward of the targeted linears (tandem.kernels)
+    # RMSNorm, rotary and SwiGLU backward passes: "native" = one-pass C kernels (tandem/ops/csrc/pointwise.c,
+    # built with the system's C compiler on first use); "torch" = torch ops; "auto" = native when it builds.
+    # CPU and normal mode only (the deterministic mode keeps torch's); gradients ~1e-7 relative apart.
+    pointwise_kernels: Literal["auto", "native", "torch"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
 
@@ -152,6 +156,8 @@ class FSDPConfig:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy: 1.0)")
         if self.seed < 0:
             raise ValueError(f"seed={self.seed} must be >= 0")
+        if self.pointwise_kernels not in ("auto", "native", "torch"):
+            raise ValueError(f"pointwise_kernels={self.pointwise_kernels!r} must be 'auto', 'native' or 'torch'")
         if self.qat is not None and self.lora is not None:
             raise ValueError(
                 "qat and lora cannot be combined: the engine would receive merged weights quantized as a "

@@ -61,6 +61,7 @@ from tandem.engines.training.fsdp.parallel import (
 from tandem.engines.training.fsdp.vocab_parallel import can_shard_vocabulary, shard_vocabulary
 from tandem.models.attention import MoERouting
 from tandem.models.hf_names import checkpoint_named
+from tandem.models.lean_ops import backward_kernels
 from tandem.models.registry import DTYPES
 from tandem.models.vector_math import warm_vector_math
 from tandem.ops.batch_invariant import batch_invariant_mode
@@ -167,6 +168,7 @@ class FSDPEngine:
             )
         self._info = self._describe(loaded)
         self._hint_bf16(config)
+        self._grad_kernels = self._pointwise_kernels(config)
         if config.qat is not None:  # before sharding: QATLinear replaces plain nn.Linear modules
             apply_quantization(loaded, config.qat)
         if config.lora is not None:
@@ -196,6 +198,15 @@ class FSDPEngine:
                 and config.model.dtype == "float32" and cpu_has_native_bf16()):
             log.info("this CPU has bf16 instructions: trainer.fsdp.parallel.param_dtype=bfloat16 trains ~1.4-1.9x "
                      "faster here, fp32 master weights kept, at the bf16 log-prob bound (docs/training.md)")
+
+    def _pointwise_kernels(self, config: FSDPConfig):
+        """tandem.ops.native's "pointwise" library for the lean backward passes, or None (torch's): CPU and
+        normal mode only; ``native`` raises `NativeKernelError` when it cannot be built."""
+        if config.pointwise_kernels == "torch" or self.ctx.device.type != "cpu" or config.deterministic:
+            return None
+        from tandem.ops import native
+
+        return native.load("pointwise", required=config.pointwise_kernels == "native")
 
     def _describe(self, loaded: LoadedLM) -> EngineInfo:
         """The policy forward as `EngineInfo` reports it (constant for the engine's life)."""
@@ -342,7 +353,7 @@ class FSDPEngine:
         loss_total = torch.zeros((), dtype=torch.float64)
         plan = self._plan(batch, module.native)
         for sub, mb in self._micro_batches(batch, plan, module.native):
-            with self._invariant():
+            with self._invariant(), backward_kernels(self._grad_kernels):
                 lp, ent, routing = self._run(module, mb, with_entropy=with_entropy)
             if sub is None:
                 loss = lp.sum() * 0.0
@@ -354,7 +365,8 @@ class FSDPEngine:
                 stats.tokens += mb.num_tokens
                 if routing is not None and routing.replay is not None:
                     stats.mismatch.append((routing.mismatch_fraction(), mb.num_tokens))
-            loss.backward()
+            with backward_kernels(self._grad_kernels):  # checkpointed layers record their forward again here
+                loss.backward()
             loss_total += loss.detach().double().cpu()
         stats.loss = float(loss_total)
         stats.grad_norm = total_grad_norm(trainable.params)
