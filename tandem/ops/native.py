@@ -52,7 +52,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NativeKernelError", "cpu_has_native_bf16", "decode_attention", "kernel_cache_dir", "load", "native_enabled",
+__all__ = ["NativeKernelError", "choose", "cpu_has_native_bf16", "decode_attention", "kernel_cache_dir", "load", "native_enabled",
            "pack_b64", "rms_norm", "rms_norm_backward", "rotary", "rotary_backward", "sample", "swiglu",
            "swiglu_backward"]
 
@@ -173,6 +173,15 @@ def load(name: str = "decode_attention", *, required: bool = False) -> ctypes.CD
         _bind(name, lib)
         _libs[name] = lib
         return lib
+
+
+def choose(name: str, choice: str, device, deterministic: bool) -> ctypes.CDLL | None:
+    """Kernel ``name`` for a part set to ``choice`` (auto | native | torch), or None for the torch path: never
+    on GPU nor in a deterministic mode (its batch-invariant ops are the contract). ``native`` raises
+    `NativeKernelError` when it cannot be built."""
+    if choice == "torch" or getattr(device, "type", device) != "cpu" or deterministic:
+        return None
+    return load(name, required=choice == "native")
 
 
 def _bind(name: str, lib: ctypes.CDLL) -> None:

@@ -81,11 +81,9 @@ class TorchEngineConfig:
         """Kernel ``name`` of tandem.ops.native for a part set to ``choice`` (auto | native | torch), or None
         for the torch path: never on GPU nor in the deterministic mode (its batch-invariant ops are the
         contract). ``native`` raises `tandem.ops.native.NativeKernelError` when it cannot be built."""
-        if choice == "torch" or getattr(device, "type", device) != "cpu" or self.deterministic:
-            return None
         from tandem.ops import native
 
-        return native.load(name, required=choice == "native")
+        return native.choose(name, choice, device, self.deterministic)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -64,6 +64,7 @@ from tandem.models.hf_names import checkpoint_named
 from tandem.models.lean_ops import backward_kernels
 from tandem.models.registry import DTYPES
 from tandem.models.vector_math import warm_vector_math
+from tandem.ops import native
 from tandem.ops.batch_invariant import batch_invariant_mode
 from tandem.runtime.allocator import release_free_memory
 
@@ -168,7 +169,8 @@ class FSDPEngine:
             )
         self._info = self._describe(loaded)
         self._hint_bf16(config)
-        self._grad_kernels = self._pointwise_kernels(config)
+        # the lean backward passes' native kernels (CPU, normal mode), or None: torch's
+        self._grad_kernels = native.choose("pointwise", config.pointwise_kernels, self.ctx.device, config.deterministic)
         if config.qat is not None:  # before sharding: QATLinear replaces plain nn.Linear modules
             apply_quantization(loaded, config.qat)
         if config.lora is not None:
@@ -198,15 +200,6 @@ class FSDPEngine:
                 and config.model.dtype == "float32" and cpu_has_native_bf16()):
             log.info("this CPU has bf16 instructions: trainer.fsdp.parallel.param_dtype=bfloat16 trains ~1.4-1.9x "
                      "faster here, fp32 master weights kept, at the bf16 log-prob bound (docs/training.md)")
-
-    def _pointwise_kernels(self, config: FSDPConfig):
-        """tandem.ops.native's "pointwise" library for the lean backward passes, or None (torch's): CPU and
-        normal mode only; ``native`` raises `NativeKernelError` when it cannot be built."""
-        if config.pointwise_kernels == "torch" or self.ctx.device.type != "cpu" or config.deterministic:
-            return None
-        from tandem.ops import native
-
-        return native.load("pointwise", required=config.pointwise_kernels == "native")
 
     def _describe(self, loaded: LoadedLM) -> EngineInfo:
         """The policy forward as `EngineInfo` reports it (constant for the engine's life)."""
