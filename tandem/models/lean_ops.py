@@ -63,7 +63,7 @@ def pointwise_kernels(lib) -> contextlib.AbstractContextManager[None]:
     and the operands suit them: the same arithmetic up to the order of RMSNorm's sum and a polynomial exp
     (~1e-7 relative). For the embedded engine's normal mode; never the deterministic mode's contract.
     ``lib=None``: a no-op."""
-    return _setting("lib", lib)
+    return _setting("lib", _with_module(lib))
 
 
 def backward_kernels(lib) -> contextlib.AbstractContextManager[None]:
@@ -73,23 +73,26 @@ def backward_kernels(lib) -> contextlib.AbstractContextManager[None]:
     library is captured when a function is recorded, so the backward may run outside the block; wrap the
     backward too where it recomputes (activation checkpointing). The FSDP engine's normal mode on CPU
     (``trainer.fsdp.pointwise_kernels``). ``lib=None``: a no-op."""
-    return _setting("grad_lib", lib)
+    return _setting("grad_lib", _with_module(lib))
 
 
 def _grad_lib():
-    lib = getattr(_native, "grad_lib", None)
-    if lib is None:
-        return None, None
-    from tandem.ops import native
-
-    return lib, native
+    return getattr(_native, "grad_lib", None) or _NONE
 
 
 def _kernels():
-    lib = getattr(_native, "lib", None)
+    return getattr(_native, "lib", None) or _NONE
+
+
+_NONE = (None, None)
+
+
+def _with_module(lib):
+    """``(lib, tandem.ops.native)`` for the thread-local, imported once per scope, not per call (~150 calls a
+    decode step); None for no library. Lazily: tandem.models does not need the module otherwise."""
     if lib is None:
-        return None, None
-    from tandem.ops import native  # lazily: tandem.models does not need it otherwise
+        return None
+    from tandem.ops import native
 
     return lib, native
 
