@@ -1,7 +1,7 @@
 """Training with shared prompts fed once (the default) vs once per row, on GRPO-shaped batches.
 
     .venv/bin/python bench/prompt_sharing.py [--model smollm2-135m-instruct] [--groups 4,8] [--prompts 8]
-                                             [--repeats 5] [--threads 2]
+                                             [--repeats 5] [--threads 2] [--allocator auto]
 
 A GRPO group's responses share their prompt. `trainer.fsdp.share_prompts` (default on) packs it once per
 group; off, every row carries it (the layout before 2026-12-06, and what TRL and verl feed). For each group
@@ -11,6 +11,9 @@ the vs-TRL runs average ~28), random token ids (the cost does not depend on them
 same weights, one per arm, in one process; per repeat each takes one optimizer step (``train_step``) and
 one no-grad log-prob pass (``forward_logprobs``, the old/ref log-prob pass), the order alternating; one
 warm-up of each first. Medians and min-max over ``--repeats``.
+
+The process runs under ``--allocator`` (default ``auto``, `runtime.allocator`: what `tandem train` runs under,
+tcmalloc where it is installed; the figures of 2026-12-06 (later) ran before this option, on glibc malloc).
 
 Also checked: the log-probs of the two arms at the same weights (before any step): max abs difference;
 the loss of their first step. Fed tokens: what the model actually processes per step.
@@ -125,16 +128,21 @@ def main() -> None:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--allocator", choices=("auto", "glibc", "tcmalloc", "jemalloc"), default="auto",
+                   help="host allocator (runtime.allocator; auto: the default path)")
     a = p.parse_args()
     groups = [int(g) for g in a.groups.split(",") if g.strip()]
     if not groups or min(groups) < 1:
         p.error(f"--groups needs sizes >= 1, got {a.groups!r}")
     if a.repeats < 3:
         p.error(f"--repeats={a.repeats}: at least 3 for a median and a spread")
+    from tandem.runtime.allocator import reexec_under
+
+    allocator = reexec_under(a.allocator)  # as `tandem train` does
     torch.set_num_threads(a.threads)
     load = os.getloadavg()[0]
     out: dict = {"model": a.model, "prompts": a.prompts, "repeats": a.repeats, "threads": a.threads,
-                 "load_avg_start": round(load, 2)}
+                 "allocator": allocator, "load_avg_start": round(load, 2)}
     for g in groups:
         r = run_group(a.model, a.prompts, g, a.repeats)
         print(f"group {g}: per-row {r['per_row_step_s']:.2f} s, shared {r['shared_step_s']:.2f} s a step "
