@@ -61,6 +61,14 @@ def impl_for(x: torch.Tensor, backend: Backend):
     return _triton_kernels() if use_triton(x, backend) else reference
 
 
+def _native_dequant(codes: torch.Tensor, scales: torch.Tensor, bm: int, bk: int) -> torch.Tensor | None:
+    """The native CPU kernel for float32 block dequantization, or None (no compiler, native kernels off)."""
+    from tandem.ops import native  # lazily: the kernel module does not need it otherwise
+
+    lib = native.load("dequant")
+    return None if lib is None else native.dequant_fp8_block(lib, codes, scales, bm, bk)
+
+
 def _check_block(block_size: tuple[int, int]) -> tuple[int, int]:
     if len(block_size) != 2 or any(b < 1 or b & (b - 1) or b > MAX_BLOCK_DIM for b in block_size):
         raise ValueError(f"block_size={tuple(block_size)} must be two powers of two in [1, {MAX_BLOCK_DIM}]")
@@ -113,6 +121,11 @@ def dequantize_blocks(q, scale, zp, bm: int, bk: int, mode: str, dtype: torch.dt
     codes = q.view(torch.uint8).reshape(-1, N, K)
     scales = scale.reshape(-1, *grid)
     zps = None if zp is None else zp.reshape(-1, *grid)
+    if (impl is reference and mode in ("fp32", "ue8m0") and zp is None and dtype == torch.float32 and q.is_cpu
+            and scale.dtype == torch.float32 and (not lead or N % bm == 0)):
+        out = _native_dequant(codes.reshape(-1, K), scales.reshape(-1, grid[1]), bm, bk)
+        if out is not None:  # one pass, the reference's bits (csrc/dequant.c)
+            return out.view(q.shape)
     if not lead or bm == 1 or N % bm == 0:
         zp2 = None if zps is None else zps.reshape(-1, grid[1])
         out = impl.dequant(as_rows(codes), scales.reshape(-1, grid[1]), zp2, bm, bk, mode, dtype)

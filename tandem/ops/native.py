@@ -20,6 +20,9 @@ The fourth, ``csrc/pointwise.c``, runs RMSNorm, rotary embedding and SwiGLU in o
 backward passes for the trainer (inside `lean_ops.backward_kernels`: SwiGLU's backward is ~9 torch ops over
 [tokens, 1536] operands a layer; its reductions run in an order that does not depend on the thread count).
 
+The fifth, ``csrc/dequant.c``, turns block-FP8 codes back into float32 weights in one pass, the same bits as the
+torch reference (tandem/kernels/fp8.py uses it on CPU: a QLoRA base is dequantized in every forward and backward).
+
 Build. `load(name)` compiles ``csrc/<name>.c`` with ``cc -O3 -march=native -ffast-math -fopenmp -c`` and links it
 without fast math (which would set flush-to-zero for the whole process) into the kernel cache
 (``$TANDEM_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/tandem/kernels``, else ``~/.cache/tandem/kernels``),
@@ -52,7 +55,8 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["NativeKernelError", "choose", "cpu_has_native_bf16", "decode_attention", "kernel_cache_dir", "load", "native_enabled",
+__all__ = ["NativeKernelError", "choose", "cpu_has_native_bf16", "decode_attention", "dequant_fp8_block",
+           "kernel_cache_dir", "load", "native_enabled",
            "pack_b64", "rms_norm", "rms_norm_backward", "rotary", "rotary_backward", "sample", "swiglu",
            "swiglu_backward"]
 
@@ -206,6 +210,9 @@ def _bind(name: str, lib: ctypes.CDLL) -> None:
         lib.tandem_rotary_backward.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, ctypes.c_int]
         lib.tandem_rms_block.restype = i64
         lib.tandem_rms_block.argtypes = []
+    elif name == "dequant":
+        lib.tandem_dequant_fp8_block.restype = None
+        lib.tandem_dequant_fp8_block.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     elif name == "pack":
         lib.tandem_pack_b64.restype = ctypes.c_int
         lib.tandem_pack_b64.argtypes = [ptr, ptr, ptr, i64, i64]
@@ -400,4 +407,28 @@ def rotary_backward(lib: ctypes.CDLL, dy: torch.Tensor, cos: torch.Tensor,
     out = torch.empty((n, h, d), dtype=dtype)
     lib.tandem_rotary_backward(dy.data_ptr(), cos.data_ptr(), sin.data_ptr(), out.data_ptr(), n, h, d,
                                dtype is torch.bfloat16)
+    return out
+
+
+_E4M3_LUT: torch.Tensor | None = None  # the 256 e4m3fn values as float32, from torch's own conversion
+
+
+def dequant_fp8_block(lib: ctypes.CDLL, codes: torch.Tensor, scale: torch.Tensor, bm: int, bk: int) -> torch.Tensor:
+    """``codes [R, K]`` (uint8 e4m3fn bytes, CPU) times their block's float32 ``scale [ceil(R / bm), ceil(K / bk)]``
+    -> float32 ``[R, K]`` (csrc/dequant.c): each element one float32 multiply of its decoded code, as
+    `tandem.kernels.reference.dequant` computes it, so the same bits."""
+    global _E4M3_LUT
+    if codes.dtype != torch.uint8 or codes.dim() != 2 or not codes.is_cpu or scale.dtype != torch.float32:
+        raise ValueError(f"dequant_fp8_block: uint8 [R, K] CPU codes and float32 scales, got {codes.dtype} "
+                         f"{tuple(codes.shape)} on {codes.device} and {scale.dtype}")
+    r, k = codes.shape
+    grid = (-(-r // bm), -(-k // bk))
+    if tuple(scale.shape) != grid or not scale.is_cpu:
+        raise ValueError(f"dequant_fp8_block: scale of shape {tuple(scale.shape)}; codes {(r, k)} in blocks "
+                         f"{(bm, bk)} need {grid} on the CPU")
+    if _E4M3_LUT is None:
+        _E4M3_LUT = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
+    codes, scale = codes.contiguous(), scale.contiguous()
+    out = torch.empty(r, k, dtype=torch.float32)
+    lib.tandem_dequant_fp8_block(codes.data_ptr(), _E4M3_LUT.data_ptr(), scale.data_ptr(), out.data_ptr(), r, k, bm, bk)
     return out
