@@ -121,14 +121,15 @@ def dequantize_blocks(q, scale, zp, bm: int, bk: int, mode: str, dtype: torch.dt
     codes = q.view(torch.uint8).reshape(-1, N, K)
     scales = scale.reshape(-1, *grid)
     zps = None if zp is None else zp.reshape(-1, *grid)
-    if (impl is reference and mode in ("fp32", "ue8m0") and zp is None and dtype == torch.float32 and q.is_cpu
-            and scale.dtype == torch.float32 and (not lead or N % bm == 0)):
-        out = _native_dequant(codes.reshape(-1, K), scales.reshape(-1, grid[1]), bm, bk)
-        if out is not None:  # one pass, the reference's bits (csrc/dequant.c)
-            return out.view(q.shape)
     if not lead or bm == 1 or N % bm == 0:
+        rows, row_scales = as_rows(codes), scales.reshape(-1, grid[1])
+        if (impl is reference and zps is None and mode in ("fp32", "ue8m0") and dtype == torch.float32 and q.is_cpu
+                and scale.dtype == torch.float32):
+            out = _native_dequant(rows, row_scales, bm, bk)
+            if out is not None:  # one pass, the reference's bits (csrc/dequant.c)
+                return out.view(q.shape)
         zp2 = None if zps is None else zps.reshape(-1, grid[1])
-        out = impl.dequant(as_rows(codes), scales.reshape(-1, grid[1]), zp2, bm, bk, mode, dtype)
+        out = impl.dequant(rows, row_scales, zp2, bm, bk, mode, dtype)
         return out.view(q.shape)
     mats = [
         impl.dequant(codes[i], scales[i], None if zps is None else zps[i], bm, bk, mode, dtype)
