@@ -98,6 +98,7 @@ class RunFacts:
     model: ModelConfig
     seed: int = 0
     max_context: int  # the longest prompt + response the run produces, capped at the model's context
+    rollout_batch: int = 0  # sequences one rollout round submits (prompts_per_step x n_samples_per_prompt)
     temperature: float = 1.0  # the rollout's sampling temperature (the shared log-prob convention)
     mode: str = "sync"  # runtime.mode
     placement: str = "colocated"  # runtime.placement

@@ -15,6 +15,16 @@ it logs the allocator in use and how to preload one. The libraries are looked up
 (where ``make`` puts Debian's libtcmalloc-minimal4, scripts/fetch_allocator.sh) and the system's
 library folders (``apt install libtcmalloc-minimal4`` or ``libjemalloc2``).
 
+**tcmalloc keeps what a step freed** (``TCMALLOC_RELEASE_RATE=0``, set by the restart unless the environment
+already sets it). By default gperftools' tcmalloc hands freed pages back to the system a few at a time as
+spans are freed; an RL process frees and re-allocates the same ~2 GiB of activations every step, so pages it
+handed back fault in again at the next step, and the re-grown heap can land higher than the first. Measured
+on the LoRA recipe of SmolLM2-135M (3 steps, 2026-12-06, docs/benchmarks.md "tcmalloc's release rate"):
+at the default rate the peak came out at 3.55-3.6 GiB in some runs and 3.8-3.86 GiB in others (the RSS
+dropped by 1.4 GiB after the first step and re-grew past it); at rate 0 every run peaked at 3.55-3.58 GiB
+and took 30-40% fewer page faults. Memory is still handed back where Tandem asks for it
+(`release_free_memory`).
+
 **glibc's mmap threshold** (``runtime.malloc_mmap_threshold``, glibc only):
 
 PyTorch's CPU tensors come from ``malloc``. glibc serves a request of at least ``M_MMAP_THRESHOLD``
@@ -50,12 +60,14 @@ import os
 import sys
 from pathlib import Path
 
-__all__ = ["ALLOCATORS", "DEFAULT_CHOICE", "ENV", "AllocatorError", "active_allocator", "find_allocator", "reexec_under",
+__all__ = ["ALLOCATORS", "DEFAULT_CHOICE", "ENV", "TCMALLOC_RELEASE_ENV", "AllocatorError", "active_allocator",
+           "find_allocator", "reexec_under",
            "note_allocator", "release_free_memory", "resolve_allocator", "set_mmap_threshold"]
 
 log = logging.getLogger(__name__)
 
 ENV = "MALLOC_MMAP_THRESHOLD_"  # glibc's own environment name for the same setting
+TCMALLOC_RELEASE_ENV = "TCMALLOC_RELEASE_RATE"  # gperftools: how eagerly freed pages go back to the system
 _M_MMAP_THRESHOLD = -3  # <malloc.h>
 _MAX = 32 << 20  # glibc refuses a threshold above HEAP_MAX_SIZE / 2 (32 MiB on 64-bit)
 
@@ -144,7 +156,10 @@ def reexec_under(choice: str) -> str:
     log.info("restarting under %s (runtime.allocator=%s): LD_PRELOAD=%s", name, choice, path)
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, list(sys.orig_argv), {**os.environ, "LD_PRELOAD": preload, _REEXEC_ENV: "1"})
+    env = {**os.environ, "LD_PRELOAD": preload, _REEXEC_ENV: "1"}
+    if name == "tcmalloc":
+        env.setdefault(TCMALLOC_RELEASE_ENV, "0")  # keep freed memory for the next step (module docstring)
+    os.execve(sys.executable, list(sys.orig_argv), env)
     raise AssertionError("unreachable")  # pragma: no cover
 
 

@@ -115,6 +115,26 @@ def test_a_program_calling_cli_main_is_never_restarted(tmp_path):
     assert active_allocator() == before
 
 
+_RATE_CHILD = r"""
+import json, os
+from tandem.runtime.allocator import reexec_under
+name = reexec_under("tcmalloc")
+print(json.dumps({"allocator": name, "rate": os.environ.get("TCMALLOC_RELEASE_RATE")}))
+"""
+
+
+@pytest.mark.skipif(TCMALLOC is None, reason="tcmalloc not fetched (make allocator: needs apt-get)")
+def test_the_restart_under_tcmalloc_keeps_freed_memory_unless_the_environment_says_otherwise():
+    """The restart sets TCMALLOC_RELEASE_RATE=0 (freed pages stay for the next step), never over a user's own value."""
+    import os
+
+    base = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": os.getcwd()}
+    for extra, rate in (({}, "0"), ({"TCMALLOC_RELEASE_RATE": "2.5"}, "2.5")):
+        out = subprocess.run([sys.executable, "-c", _RATE_CHILD], capture_output=True, text=True, check=True,
+                             env={**base, **extra}, timeout=120)
+        assert json.loads(out.stdout.strip().splitlines()[-1]) == {"allocator": "tcmalloc", "rate": rate}, out.stderr
+
+
 def test_the_restart_reads_the_allocator_without_importing_torch(tmp_path):
     """`tandem train` restarts before it builds the config (which imports torch, ~2 s the restarted process
     would spend again): the early read gives the recipe's and the overrides' choice, the default without a

@@ -9,7 +9,19 @@ from tandem.core.speculative import SpeculativeConfig
 from tandem.kernels.config import QuantConfig
 from tandem.models.registry import ModelConfig
 
-__all__ = ["TorchEngineConfig"]
+__all__ = ["DEFAULT_MAX_NUM_SEQS", "KV_BUDGET_TOKENS", "TorchEngineConfig", "auto_num_seqs"]
+
+DEFAULT_MAX_NUM_SEQS = 32  # slots of an engine whose max_num_seqs is left unset and no run sized it
+KV_BUDGET_TOKENS = DEFAULT_MAX_NUM_SEQS * 2048  # what a run's automatic slot count may hold: the default's memory
+
+
+def auto_num_seqs(rollout_batch: int, max_model_len: int) -> int:
+    """The slots a run gives an engine whose ``max_num_seqs`` is unset: its rollout batch (every sequence of a
+    step decoded together: one 64-row step costs far less than two of 32 rows on a CPU), never fewer than
+    `DEFAULT_MAX_NUM_SEQS`, and never more than `KV_BUDGET_TOKENS` of cache allows (so a long-context run keeps
+    the default's memory)."""
+    cap = max(DEFAULT_MAX_NUM_SEQS, KV_BUDGET_TOKENS // max_model_len)
+    return min(max(DEFAULT_MAX_NUM_SEQS, rollout_batch), cap)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -28,7 +40,10 @@ class TorchEngineConfig:
     """
 
     model: ModelConfig | None = None  # None: the run's model (the runtime fills it in)
-    max_num_seqs: int = 32  # sequences decoded together (each sample of a request is one sequence)
+    # sequences decoded together (each sample of a request is one sequence). None: a run sizes it to its rollout
+    # batch (`auto_num_seqs`: prompts_per_step x n_samples_per_prompt, 32 at least, within the cache budget of
+    # 32 x 2048 tokens); an engine built on its own gets 32.
+    max_num_seqs: int | None = None
     max_model_len: int = 2048  # prompt + generated tokens per sequence
     kv_cache_tokens: int | None = None  # KV-cache budget in tokens; None: max_num_seqs * max_model_len
     prefill_chunk: int = 512  # prompt tokens computed per step (the rest in later steps)
@@ -86,8 +101,8 @@ class TorchEngineConfig:
         return native.choose(name, choice, device, self.deterministic)
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.max_num_seqs is not None and (isinstance(self.max_num_seqs, bool) or self.max_num_seqs < 1):
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1 (or None: sized by the run)")
         if self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2 (one prompt + one new token)")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.max_model_len:
@@ -115,9 +130,10 @@ class TorchEngineConfig:
             raise ValueError(f"device={self.device!r} must be 'cpu' or 'cuda'")
 
     @property
+    def num_seqs(self) -> int:
+        """``max_num_seqs``, or `DEFAULT_MAX_NUM_SEQS` where it is unset."""
+        return self.max_num_seqs if self.max_num_seqs is not None else DEFAULT_MAX_NUM_SEQS
+
+    @property
     def cache_tokens(self) -> int:
-        return (
-            self.kv_cache_tokens
-            if self.kv_cache_tokens is not None
-            else self.max_num_seqs * self.max_model_len
-        )
+        return self.kv_cache_tokens if self.kv_cache_tokens is not None else self.num_seqs * self.max_model_len

@@ -113,7 +113,7 @@ class TorchEngine(WeightMethods, AdapterMethods, ScoringMethods):
             self._quant.apply(self.model)  # the model files' weights, quantized then dequantized
         # deterministic attention reads keys in whole tiles, so slots are whole tiles long
         slot_len = round_up(config.max_model_len, KEY_TILE) if config.deterministic else config.max_model_len
-        num_slots = min(config.max_num_seqs, config.cache_tokens // slot_len)
+        num_slots = min(config.num_seqs, config.cache_tokens // slot_len)
         if num_slots < 1:
             raise ValueError(
                 f"kv_cache_tokens={config.cache_tokens} holds no sequence slot of {slot_len} tokens "
