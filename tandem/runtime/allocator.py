@@ -16,14 +16,14 @@ it logs the allocator in use and how to preload one. The libraries are looked up
 library folders (``apt install libtcmalloc-minimal4`` or ``libjemalloc2``).
 
 **tcmalloc keeps what a step freed** (``TCMALLOC_RELEASE_RATE=0``, set by the restart unless the environment
-already sets it). By default gperftools' tcmalloc hands freed pages back to the system a few at a time as
-spans are freed; an RL process frees and re-allocates the same ~2 GiB of activations every step, so pages it
-handed back fault in again at the next step, and the re-grown heap can land higher than the first. Measured
-on the LoRA recipe of SmolLM2-135M (3 steps, 2026-12-06, docs/benchmarks.md "tcmalloc's release rate"):
-at the default rate the peak came out at 3.55-3.6 GiB in some runs and 3.8-3.86 GiB in others (the RSS
-dropped by 1.4 GiB after the first step and re-grew past it); at rate 0 every run peaked at 3.55-3.58 GiB
-and took 30-40% fewer page faults. Memory is still handed back where Tandem asks for it
-(`release_free_memory`).
+already names a rate). At its own default rate gperftools' tcmalloc hands freed pages back to the system a
+few at a time as spans are freed; an RL process frees and re-allocates the same few GiB of activations every
+step, so the pages it handed back fault in again at the next step, and the re-grown heap can land higher
+than the first. Measured on the recipes of bench/lora.py (`bench/tcmalloc_release.py`, 3 runs of 3 steps per
+recipe and rate, alternating, 2026-12-06): peak RSS at rate 0 / rate 1 full 5,039 / 5,057 MiB, LoRA 3,586 /
+3,845 (rate 1 ranged 3,578-3,848: the RSS fell by 1.4 GiB after the first step and re-grew past it), QLoRA
+3,304 / 3,511; 30-42% fewer minor page faults; seconds per step 0.91x / 0.92x / 0.99x. Memory still goes
+back where Tandem asks for it (`release_free_memory`).
 
 **glibc's mmap threshold** (``runtime.malloc_mmap_threshold``, glibc only):
 
