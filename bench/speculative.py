@@ -176,7 +176,12 @@ def main() -> None:
     p.add_argument("--grpo-only", action="store_true", help="only the GRPO part (RESULT: its keys alone)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="tiny-llama, short responses, 1 repeat, no GRPO")
+    p.add_argument("--allocator", choices=("auto", "glibc", "tcmalloc", "jemalloc"), default="auto",
+                   help="host allocator of this process (runtime.allocator; auto: the default path of a run)")
     args = p.parse_args()
+    from tandem.runtime.allocator import reexec_under
+
+    args.allocator = reexec_under(args.allocator)  # as `tandem train` does (restarts this process once)
     if args.quick:
         args.model, args.new_tokens, args.repeats, args.head_rounds, args.grpo_steps = "tiny-llama", 24, 1, 2, 0
     args.batches = [int(b) for b in str(args.batches).split(",")]
@@ -184,7 +189,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.grpo_only:
         out = {"model": "smollm2-135m-instruct (demo recipe)", "grpo_steps": args.grpo_steps,
-               "grpo_repeats": args.grpo_repeats, "grpo": grpo(args)}
+               "grpo_repeats": args.grpo_repeats, "allocator": args.allocator, "grpo": grpo(args)}
         out["grpo_step_time_ratio"] = {n: out["grpo"][n]["step_time_ratio"] for n in DRAFTERS}
         print("RESULT " + json.dumps(out), flush=True)
         return
@@ -220,7 +225,7 @@ def main() -> None:
     for engine in engines.values():
         engine.close()
     out: dict = {"model": args.model, "temperature": args.temperature, "new_tokens": args.new_tokens, "k": args.k,
-                 "repeats": args.repeats, "threads": args.threads}
+                 "repeats": args.repeats, "threads": args.threads, "allocator": args.allocator}
     # one best drafter, the fastest at the first batch size, reported at every batch size: taking the max per
     # batch size would pick the luckier of two noise samples where neither drafts (default max_batch)
     chosen = max(DRAFTERS, key=lambda n: default[args.batches[0]][n]["speedup"])
