@@ -20,7 +20,9 @@ between vLLM's log-probs and the FSDP2 trainer's.
     .venv/bin/python bench/rollout_throughput.py --scope-ab 1x64         # steps in fast_linear_scope vs the old mode
 
 Throughput counts generated tokens (every side generates exactly ``--new-tokens`` per sequence,
-asserted) over the wall time of the whole call (prefill included).
+asserted) over the wall time of the whole call (prefill included). The process restarts itself under the
+host allocator a run uses (``--allocator``, default ``auto``: tcmalloc where installed), every side alike;
+figures before 2026-12-06 ran on glibc malloc.
 """
 
 from __future__ import annotations
@@ -397,7 +399,12 @@ def main() -> None:
     ap.add_argument("--scope-ab", metavar="SEQSxNEW",
                     help="only compare steps in fast_linear_scope vs fast_linear_mode on this work, fp32 and bf16")
     ap.add_argument("--deterministic", action="store_true", help="--scope-ab on the deterministic engine")
+    ap.add_argument("--allocator", choices=("auto", "glibc", "tcmalloc", "jemalloc"), default="auto",
+                    help="host allocator of this process, every side alike (runtime.allocator; auto: a run's default)")
     args = ap.parse_args()
+    from tandem.runtime.allocator import reexec_under
+
+    args.allocator = reexec_under(args.allocator)  # as `tandem train` does (restarts this process once)
     if args.scope_ab:
         torch.set_num_threads(args.threads)
         result = {"model": MODEL, "repeats": args.repeats, "load_avg_start": round(os.getloadavg()[0], 2)}
@@ -494,6 +501,7 @@ def main() -> None:
     print(f"vllm-cpu: {result['vllm']}")
     load_end = os.getloadavg()
     result["load_avg_start"], result["load_avg_end"] = round(load_start[0], 2), round(load_end[0], 2)
+    result["allocator"] = args.allocator
     print(f"load average at end (1/5/15 min): {load_end}")
     print("RESULT " + json.dumps(result))
 
