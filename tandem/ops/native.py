@@ -193,7 +193,7 @@ def _bind(name: str, lib: ctypes.CDLL) -> None:
     if name == "decode_attention":
         for fn in (lib.tandem_decode_attention_f32, lib.tandem_decode_attention_bf16):
             fn.restype = ctypes.c_int
-            fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, i64, i64, i64, i64,
+            fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
                            ctypes.c_float, i64]
     elif name == "sample":
         lib.tandem_sample_f32.restype = ctypes.c_int
@@ -225,12 +225,15 @@ def supports(group: int, head_dim: int, dtype: torch.dtype, device: torch.device
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor,
-                     slots: torch.Tensor, limit: torch.Tensor, scale: float, max_len: int | None = None) -> torch.Tensor:
+                     slots: torch.Tensor, limit: torch.Tensor, scale: float, max_len: int | None = None,
+                     new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None) -> torch.Tensor:
     """Row ``r`` of ``q [R, Hkv, G, D]`` attends over slot ``slots[r]`` of ``cache_k, cache_v [slots, Hkv, L,
     D]`` (one layer of the cache, or a strided view of it; the last dimension contiguous), positions
     ``< limit[r]`` (``1 <= limit[r] <= max_len <= L``) -> ``[R, Hkv, G, D]`` in the cache's dtype; scores,
     softmax and sums in fp32. ``slots`` and ``limit`` are int64 CPU tensors; ``max_len`` defaults to the
-    largest limit (it sizes the threads' score buffers)."""
+    largest limit (it sizes the threads' score buffers). With ``new_k, new_v [R, Hkv, D]`` (the cache's
+    dtype), row ``r``'s own key and value are first written into the cache at position ``limit[r] - 1`` of
+    its slot, every row's before any row reads (the kernel does the cache write of a step)."""
     r, hkv, g, d = q.shape
     if cache_k.stride(-1) != 1 or cache_v.stride(-1) != 1:
         raise ValueError("decode_attention: keys and values need a contiguous last dimension")
@@ -242,13 +245,22 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, cache_k: torch.Tensor, c
         max_len = int(limit.max()) if r else 1
     if max_len > cache_k.shape[2]:
         raise ValueError(f"decode_attention: max_len={max_len} exceeds the {cache_k.shape[2]} cached positions")
+    if (new_k is None) != (new_v is None):
+        raise ValueError("decode_attention: new_k and new_v come together")
+    if new_k is not None:
+        if new_k.shape != (r, hkv, d) or new_v.shape != (r, hkv, d) or new_k.dtype != cache_k.dtype \
+                or new_v.dtype != cache_k.dtype:
+            raise ValueError(f"decode_attention: new_k/new_v must be [{r}, {hkv}, {d}] in {cache_k.dtype}, got "
+                             f"{tuple(new_k.shape)} {new_k.dtype} / {tuple(new_v.shape)} {new_v.dtype}")
+        new_k, new_v = new_k.contiguous(), new_v.contiguous()
     qf = q.to(torch.float32).contiguous()
     slots, limit = slots.contiguous(), limit.contiguous()
     out = torch.empty(r, hkv, g, d, dtype=torch.float32)
     fn = lib.tandem_decode_attention_f32 if cache_k.dtype == torch.float32 else lib.tandem_decode_attention_bf16
     ks, vs = cache_k.stride(), cache_v.stride()
     rc = fn(qf.data_ptr(), cache_k.data_ptr(), cache_v.data_ptr(), ks[0], ks[1], ks[2], vs[0], vs[1], vs[2],
-            slots.data_ptr(), limit.data_ptr(), out.data_ptr(), r, hkv, g, d, float(scale), max_len)
+            slots.data_ptr(), limit.data_ptr(), None if new_k is None else new_k.data_ptr(),
+            None if new_v is None else new_v.data_ptr(), out.data_ptr(), r, hkv, g, d, float(scale), max_len)
     if rc != 0:
         raise RuntimeError(f"native decode_attention failed (code {rc}: -1 shape over the limits, -2 no memory)")
     return out if cache_k.dtype == torch.float32 else out.to(cache_k.dtype)

@@ -89,6 +89,46 @@ def test_rows_are_independent_of_the_batch():
         assert torch.equal(alone[0], batch[s])
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_kernel_writes_each_rows_key_and_value_before_any_row_reads(dtype):
+    """``new_k, new_v``: three decode rows (slots 1-3) and a 5-row chunk of slot 5 (row i sees the keys of rows
+    < i of its own chunk) give the bits of writing the rows with index_copy_ first and reading after, and
+    leave the cache as that write does; nothing else in the cache changes."""
+    hkv, g, d, slot_len = 3, 3, 64, 96
+    gen = torch.Generator().manual_seed(7)
+    cache_k = torch.randn(6, hkv, slot_len, d, generator=gen).to(dtype)
+    cache_v = torch.randn(6, hkv, slot_len, d, generator=gen).to(dtype)
+    slots = torch.tensor([1, 2, 3, 5, 5, 5, 5, 5])
+    positions = torch.tensor([40, 7, 90, 20, 21, 22, 23, 24])
+    q = torch.randn(8, hkv, g, d, generator=gen).to(dtype)
+    k, v = (torch.randn(8, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    for s, p in zip(slots.tolist(), positions.tolist(), strict=True):  # stale keys where the rows go
+        cache_k[s, :, p], cache_v[s, :, p] = float("nan"), float("nan")
+    want_k, want_v = cache_k.clone(), cache_v.clone()
+    rows = ((slots * hkv * slot_len + positions)[:, None] + torch.arange(hkv) * slot_len).reshape(-1)
+    want_k.view(-1, d).index_copy_(0, rows, k.reshape(-1, d))
+    want_v.view(-1, d).index_copy_(0, rows, v.reshape(-1, d))
+    lib = native.load()
+    want = native.decode_attention(lib, q, want_k, want_v, slots, positions + 1, d**-0.5)
+    got = native.decode_attention(lib, q, cache_k, cache_v, slots, positions + 1, d**-0.5, new_k=k, new_v=v)
+    assert torch.equal(cache_k, want_k) and torch.equal(cache_v, want_v)
+    assert torch.equal(got, want) and torch.isfinite(got).all()
+
+
+@needs_native
+def test_refuses_new_rows_of_the_wrong_shape_or_dtype():
+    q, cache_k, cache_v, slots, limit = _case(2, 1, 1, 16, 16, 4, torch.float32)
+    lib = native.load()
+    good = torch.zeros(2, 1, 16)
+    with pytest.raises(ValueError, match="come together"):
+        native.decode_attention(lib, q, cache_k, cache_v, slots, limit, 1.0, new_k=good)
+    with pytest.raises(ValueError, match=r"must be \[2, 1, 16\] in torch.float32, got \(2, 1, 8\)"):
+        native.decode_attention(lib, q, cache_k, cache_v, slots, limit, 1.0, new_k=good[..., :8], new_v=good)
+    with pytest.raises(ValueError, match="torch.bfloat16"):
+        native.decode_attention(lib, q, cache_k, cache_v, slots, limit, 1.0, new_k=good.bfloat16(), new_v=good)
+
+
 def test_shapes_over_the_limits_use_the_torch_path():
     cpu = torch.device("cpu")
     assert not native.supports(17, 64, torch.float32, cpu)  # a group of 17 query heads per key head

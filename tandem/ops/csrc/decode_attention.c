@@ -9,6 +9,17 @@
  * OpenMP (torch's libgomp, torch's thread count). Each thread keeps the scores of one pair, G x limit
  * floats, in a buffer of G x max_len (max_len >= every limit).
  *
+ * With AVX-512 and a head dimension that is a multiple of 16 (64 and 128 specialised), a (row, head) pair runs
+ * `pair16`: the scores of 16 keys at a time (a key block read from memory once, then from L1 for the group's
+ * other query rows), each key's 16-lane partial sums folded into one vector of 16 scores by a transpose-add
+ * tree (15 adds instead of 16 horizontal reductions), the softmax in vector arithmetic (fast_exp.h), and the
+ * weighted values accumulated in registers over blocks of 32 value rows. Otherwise (or without AVX-512) the
+ * portable loop below. Both read only keys and values at positions < limit.
+ *
+ * With new_k / new_v ([R, H, D] contiguous, the cache's dtype; or NULL), row r's own key and value are first
+ * written into the cache at position limit[r] - 1 of its slot (where the torch path's index_copy_ puts them),
+ * all rows before any is read: one pass over cold cache lines in C, not a separate indexed copy.
+ *
  * Returns 0, -1 when G or D exceed the limits below, -2 when a thread's buffer cannot be allocated.
  */
 #include <float.h>
@@ -16,6 +27,11 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
+#include "fast_exp.h"
 
 #define MAX_GROUP 16
 #define MAX_HEAD_DIM 256
@@ -29,14 +45,170 @@ static inline float bf16_to_f32(uint16_t x) {
 
 #define AS_FLOAT(x) (x)
 
-#define DECODE_ATTENTION(NAME, T, LOAD)                                                               \
-    int NAME(const float *q, const T *k, const T *v, int64_t k_s, int64_t k_h, int64_t k_l,          \
+#ifdef __AVX512F__
+/* reduce16(v): lane l = the sum of the 16 lanes of v[SIGMA[l]] (SIGMA is its own inverse: key j's partial
+ * sums go in at v[SIGMA[j]] and its score comes out in lane j) */
+static const int SIGMA[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
+
+static inline __m512 reduce16(const __m512 *v) {
+    __m512 u[8], w[4], x[2];
+    for (int i = 0; i < 8; ++i)
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(v[i], v[i + 8], 0x44), _mm512_shuffle_f32x4(v[i], v[i + 8], 0xEE));
+    for (int i = 0; i < 4; ++i)
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(u[i], u[i + 4], 0x88), _mm512_shuffle_f32x4(u[i], u[i + 4], 0xDD));
+    for (int i = 0; i < 2; ++i)
+        x[i] = _mm512_add_ps(_mm512_shuffle_ps(w[i], w[i + 2], 0x44), _mm512_shuffle_ps(w[i], w[i + 2], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_ps(x[0], x[1], 0x88), _mm512_shuffle_ps(x[0], x[1], 0xDD));
+}
+
+/* tandem_exp (fast_exp.h) on 16 lanes: the same polynomial and limits */
+static inline __m512 exp16(__m512 y) {
+    const __m512 c = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(c, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(-0.693359375f), c);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    const __m512 z = _mm512_mul_ps(r, r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(p, z, r), _mm512_set1_ps(1.0f));
+    const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 out = _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+    out = _mm512_mask_mov_ps(out, _mm512_cmp_ps_mask(y, _mm512_set1_ps(-87.0f), _CMP_LT_OQ), _mm512_setzero_ps());
+    return _mm512_mask_mov_ps(out, _mm512_cmp_ps_mask(y, _mm512_set1_ps(88.0f), _CMP_GT_OQ),
+                              _mm512_set1_ps(INFINITY));
+}
+
+static inline __m512 load16_f32(const float *p) { return _mm512_loadu_ps(p); }
+
+static inline __m512 load16_bf16(const uint16_t *p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+/* Software prefetch of rows [from, from + count) of the stream this pair reads in order: its keys 0 .. n-1,
+ * then its values 0 .. n-1, then the next pair's first keys (nk, may be NULL). The hardware prefetchers stop
+ * at each 4 KiB page and restart at each new row range; this keeps the next PREFETCH_ROWS rows in flight. */
+#define PREFETCH_ROWS 32
+static inline void prefetch_stream(const char *kk, const char *vv, const char *nk, int64_t k_l, int64_t v_l,
+                                   int64_t n, int64_t row_bytes, int64_t from, int64_t count) {
+    for (int64_t t = from; t < from + count; ++t) {
+        const char *row = t < n ? kk + t * k_l : t < 2 * n ? vv + (t - n) * v_l : nk ? nk + (t - 2 * n) * k_l : 0;
+        if (!row) return;
+        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    }
+}
+
+/* One (row, key head) pair: o [G, D] = softmax(q k^T * scale) v over keys 0 .. n-1 (n >= 1), with C = D / 16
+ * vectors per row (a constant where the call site passes one, so the accumulators stay in registers).
+ * p: G x n floats of scratch. */
+#define PAIR16(NAME, T, LOAD16)                                                                            \
+    static inline __attribute__((always_inline)) void NAME(                                               \
+        const float *qq, const T *kk, const T *vv, const T *nk, int64_t k_l, int64_t v_l, int64_t n,      \
+        int64_t G, const int64_t C, float scale, float *p, float *o) {                                     \
+        const int64_t D = 16 * C, rb = D * (int64_t)sizeof(T), kb = k_l * (int64_t)sizeof(T),              \
+                      vb = v_l * (int64_t)sizeof(T);                                                       \
+        const char *kc = (const char *)kk, *vc = (const char *)vv, *nc = (const char *)nk;                 \
+        float m[MAX_GROUP];                                                                                \
+        for (int64_t g = 0; g < G; ++g) {                                                                  \
+            const float *qg = qq + g * D;                                                                  \
+            __m512 q[MAX_HEAD_DIM / 16];                                                                   \
+            for (int64_t c = 0; c < C; ++c) q[c] = _mm512_loadu_ps(qg + 16 * c);                           \
+            __m512 mv = _mm512_set1_ps(-FLT_MAX);                                                          \
+            for (int64_t j0 = 0; j0 < n; j0 += 16) {                                                       \
+                const int64_t jb = n - j0 < 16 ? n - j0 : 16;                                              \
+                if (g == 0) prefetch_stream(kc, vc, nc, kb, vb, n, rb, j0 + PREFETCH_ROWS, 16);            \
+                __m512 acc[16];                                                                            \
+                for (int64_t jj = 0; jj < 16; ++jj) {                                                      \
+                    __m512 a = _mm512_setzero_ps();                                                        \
+                    if (jj < jb) { /* keys at or past the limit are never read */                         \
+                        const T *kj = kk + (j0 + jj) * k_l;                                                \
+                        for (int64_t c = 0; c < C; ++c) a = _mm512_fmadd_ps(q[c], LOAD16(kj + 16 * c), a); \
+                    }                                                                                      \
+                    acc[SIGMA[jj]] = a;                                                                    \
+                }                                                                                          \
+                const __m512 s = _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(scale));                      \
+                const __mmask16 mk = (__mmask16)(jb == 16 ? 0xFFFFu : (1u << jb) - 1u);                    \
+                _mm512_mask_storeu_ps(p + g * n + j0, mk, s);                                              \
+                mv = _mm512_mask_max_ps(mv, mk, mv, s);                                                    \
+            }                                                                                              \
+            m[g] = _mm512_reduce_max_ps(mv);                                                               \
+        }                                                                                                  \
+        float inv[MAX_GROUP];                                                                              \
+        for (int64_t g = 0; g < G; ++g) { /* softmax numerators and 1 / denominator */                    \
+            float *pg = p + g * n;                                                                         \
+            const __m512 mg = _mm512_set1_ps(m[g]);                                                        \
+            __m512 sum = _mm512_setzero_ps();                                                              \
+            for (int64_t j = 0; j < n; j += 16) {                                                          \
+                const __mmask16 mk = (__mmask16)(n - j >= 16 ? 0xFFFFu : (1u << (n - j)) - 1u);            \
+                const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(mk, pg + j), mg));              \
+                _mm512_mask_storeu_ps(pg + j, mk, e);                                                      \
+                sum = _mm512_mask_add_ps(sum, mk, sum, e);                                                 \
+            }                                                                                              \
+            inv[g] = 1.f / _mm512_reduce_add_ps(sum);                                                      \
+        }                                                                                                  \
+        for (int64_t g = 0; g < G; ++g) memset(o + g * D, 0, sizeof(float) * (size_t)D);                  \
+        for (int64_t j0 = 0; j0 < n; j0 += 32) { /* value rows in blocks: read once, then from L1 */       \
+            const int64_t jb = n - j0 < 32 ? n - j0 : 32;                                                  \
+            prefetch_stream(kc, vc, nc, kb, vb, n, rb, n + j0 + PREFETCH_ROWS, 32);                        \
+            for (int64_t g = 0; g < G; ++g) {                                                              \
+                __m512 acc[MAX_HEAD_DIM / 16];                                                             \
+                float *og = o + g * D;                                                                     \
+                const float *pg = p + g * n + j0;                                                          \
+                for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_loadu_ps(og + 16 * c);                     \
+                for (int64_t jj = 0; jj < jb; ++jj) {                                                      \
+                    const __m512 w = _mm512_set1_ps(pg[jj]);                                               \
+                    const T *vj = vv + (j0 + jj) * v_l;                                                    \
+                    for (int64_t c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(w, LOAD16(vj + 16 * c), acc[c]); \
+                }                                                                                          \
+                for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(og + 16 * c, acc[c]);                     \
+            }                                                                                              \
+        }                                                                                                  \
+        for (int64_t g = 0; g < G; ++g) {                                                                  \
+            const __m512 s = _mm512_set1_ps(inv[g]);                                                       \
+            for (int64_t c = 0; c < C; ++c)                                                                \
+                _mm512_storeu_ps(o + g * D + 16 * c, _mm512_mul_ps(s, _mm512_loadu_ps(o + g * D + 16 * c))); \
+        }                                                                                                  \
+    }
+
+PAIR16(pair16_f32, float, load16_f32)
+PAIR16(pair16_bf16, uint16_t, load16_bf16)
+
+/* the pair with C a constant for the common head dimensions */
+#define PAIR16_DISPATCH(FN, q, k, v, nk, k_l, v_l, n, G, D, scale, p, o)                                  \
+    do {                                                                                                   \
+        if ((D) == 64) FN(q, k, v, nk, k_l, v_l, n, G, 4, scale, p, o);                                    \
+        else if ((D) == 128) FN(q, k, v, nk, k_l, v_l, n, G, 8, scale, p, o);                              \
+        else FN(q, k, v, nk, k_l, v_l, n, G, (D) / 16, scale, p, o);                                       \
+    } while (0)
+#define FAST16(D) ((D) % 16 == 0)
+#else
+#define FAST16(D) 0
+#define PAIR16_DISPATCH(FN, q, k, v, nk, k_l, v_l, n, G, D, scale, p, o) do { } while (0)
+#endif
+
+#define DECODE_ATTENTION(NAME, T, LOAD, PAIR16_FN)                                                             \
+    int NAME(const float *q, T *k, T *v, int64_t k_s, int64_t k_h, int64_t k_l,                      \
              int64_t v_s, int64_t v_h, int64_t v_l, const int64_t *slot, const int64_t *limit,       \
+             const T *new_k, const T *new_v,                                                         \
              float *out, int64_t S, int64_t H, int64_t G, int64_t D, float scale, int64_t max_len) {  \
         if (G < 1 || G > MAX_GROUP || D < 1 || D > MAX_HEAD_DIM) return -1;                          \
         int status = 0;                                                                              \
         _Pragma("omp parallel")                                                                      \
         {                                                                                            \
+            if (new_k) { /* each row's own key and value into the cache first, then every row reads */ \
+                _Pragma("omp for schedule(static)")                                                  \
+                for (int64_t pair = 0; pair < S * H; ++pair) {                                       \
+                    const int64_t s = pair / H, h = pair % H, j = limit[s] - 1;                      \
+                    if (j < 0) continue;                                                             \
+                    memcpy(k + slot[s] * k_s + h * k_h + j * k_l, new_k + pair * D, sizeof(T) * (size_t)D); \
+                    memcpy(v + slot[s] * v_s + h * v_h + j * v_l, new_v + pair * D, sizeof(T) * (size_t)D); \
+                } /* the loop's barrier: all rows written before any is read */                       \
+            }                                                                                        \
             float *p = malloc(sizeof(float) * (size_t)(G * (max_len > 0 ? max_len : 1)));           \
             if (!p) {                                                                                \
                 _Pragma("omp atomic write")                                                          \
@@ -52,6 +224,12 @@ static inline float bf16_to_f32(uint16_t x) {
                 if (n <= 0) continue;                                                                \
                 const float *qq = q + pair * G * D;                                                  \
                 const T *kk = k + slot[s] * k_s + h * k_h, *vv = v + slot[s] * v_s + h * v_h;         \
+                if (FAST16(D)) {                                                                     \
+                    const int64_t nx = pair + 1, ns = nx / H; /* the next pair's keys, to prefetch */   \
+                    const T *nk = nx < S * H ? k + slot[ns] * k_s + (nx % H) * k_h : 0;                  \
+                    PAIR16_DISPATCH(PAIR16_FN, qq, kk, vv, nk, k_l, v_l, n, G, D, scale, p, o);        \
+                    continue;                                                                        \
+                }                                                                                    \
                 float m[MAX_GROUP], inv[MAX_GROUP];                                                  \
                 for (int64_t g = 0; g < G; ++g) m[g] = -FLT_MAX;                                     \
                 for (int64_t j = 0; j < n; ++j) { /* scores: each key row read once for the group */ \
@@ -92,5 +270,5 @@ static inline float bf16_to_f32(uint16_t x) {
         return status;                                                                               \
     }
 
-DECODE_ATTENTION(tandem_decode_attention_f32, float, AS_FLOAT)
-DECODE_ATTENTION(tandem_decode_attention_bf16, uint16_t, bf16_to_f32)
+DECODE_ATTENTION(tandem_decode_attention_f32, float, AS_FLOAT, pair16_f32)
+DECODE_ATTENTION(tandem_decode_attention_bf16, uint16_t, bf16_to_f32, pair16_bf16)

@@ -160,11 +160,14 @@ class StepAttention:
         """``q [N, Hq, D]``, ``k, v [N, Hkv, D]`` of this step's tokens -> ``[N, Hq, D]``."""
         cache_k, cache_v = self.cache.k[layer_idx], self.cache.v[layer_idx]  # [slots, Hkv, L, D]
         d = k.shape[-1]
-        cache_k.view(-1, d).index_copy_(0, self.write_rows, k.reshape(-1, d))
-        cache_v.view(-1, d).index_copy_(0, self.write_rows, v.reshape(-1, d))
         hq, hkv = q.shape[1], cache_k.shape[1]
-        if self.native is not None and len(self.native_rows) and native.supports(hq // hkv, d, q.dtype, q.device):
+        if (self.native is not None and len(self.native_rows) and native.supports(hq // hkv, d, q.dtype, q.device)
+                and k.dtype == cache_k.dtype):
+            if self.native_all:  # the kernel writes the step's keys and values itself, then reads
+                return self._native_attend(q, cache_k, cache_v, scale, k, v)
+            self._write(cache_k, cache_v, k, v)
             return self._native_attend(q, cache_k, cache_v, scale)
+        self._write(cache_k, cache_v, k, v)
         if not self.prefills:
             return self._decode(q, cache_k, cache_v, scale)
         out = torch.empty_like(q)
@@ -177,13 +180,22 @@ class StepAttention:
             offset += chunk.count
         return out
 
-    def _native_attend(self, q, cache_k, cache_v, scale) -> torch.Tensor:
-        """Decode rows and short chunks in one call of the native kernel; long chunks through `_prefill`."""
+    def _write(self, cache_k, cache_v, k, v) -> None:
+        """This step's keys and values into their slots' rows of one layer's cache."""
+        d = k.shape[-1]
+        cache_k.view(-1, d).index_copy_(0, self.write_rows, k.reshape(-1, d))
+        cache_v.view(-1, d).index_copy_(0, self.write_rows, v.reshape(-1, d))
+
+    def _native_attend(self, q, cache_k, cache_v, scale, k=None, v=None) -> torch.Tensor:
+        """Decode rows and short chunks in one call of the native kernel; long chunks through `_prefill`.
+        With ``k, v`` (every row native), the kernel writes them into the cache first (row ``i``'s at its
+        position, ``native_limit[i] - 1``), as `_write` would."""
         n, hq, d = q.shape
         hkv = cache_k.shape[1]
         rows = q if self.native_all else q.index_select(0, self.native_rows)
         got = native.decode_attention(self.native, rows.view(-1, hkv, hq // hkv, d), cache_k, cache_v,
-                                      self.native_slots, self.native_limit, scale, self.native_max)
+                                      self.native_slots, self.native_limit, scale, self.native_max,
+                                      new_k=k, new_v=v)
         if self.native_all:
             return got.view(n, hq, d)
         out = torch.empty_like(q)
