@@ -99,6 +99,7 @@ class RunFacts:
     seed: int = 0
     max_context: int  # the longest prompt + response the run produces, capped at the model's context
     rollout_batch: int = 0  # sequences one rollout round submits (prompts_per_step x n_samples_per_prompt)
+    replicas: int = 1  # inference.replicas: the inference engines the router spreads a round over
     temperature: float = 1.0  # the rollout's sampling temperature (the shared log-prob convention)
     mode: str = "sync"  # runtime.mode
     placement: str = "colocated"  # runtime.placement

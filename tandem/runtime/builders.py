@@ -66,6 +66,7 @@ def run_facts(cfg: RunConfig) -> RunFacts:
     return RunFacts(
         model=cfg.model, seed=cfg.run.seed, max_context=_run_context(cfg),
         rollout_batch=cfg.rollout.prompts_per_step * cfg.rollout.n_samples_per_prompt,
+        replicas=cfg.inference.replicas,
         temperature=cfg.rollout.sampling.temperature or 1.0, mode=cfg.runtime.mode,
         placement=cfg.runtime.placement, needs_ref=alg.needs_ref, needs_critic=alg.needs_critic,
         recompute_log_probs=cfg.rollout.recompute_log_probs, adapter_sync=cfg.sync.lora_mode == "adapter",

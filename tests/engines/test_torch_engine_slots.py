@@ -51,6 +51,17 @@ def test_a_run_sizes_the_slots_to_its_rollout_batch_unless_the_recipe_sets_them(
     assert demo.cache_tokens == 64 * 96
 
 
+def test_with_several_replicas_each_engine_gets_slots_for_its_share_of_a_round():
+    """The router spreads a round's requests over the replicas (fewest outstanding first): each engine's slots
+    are sized for its share (rounded up), not the whole round; the floor of an engine of its own still holds."""
+    big = ("rollout.prompts_per_step=32",)  # 32 x 8 = 256 sequences a round
+    assert _filled(DEMO, *big).max_num_seqs == 256
+    assert _filled(DEMO, *big, "inference.replicas=2").max_num_seqs == 128
+    assert _filled(DEMO, *big, "inference.replicas=3").max_num_seqs == 86  # ceil(256 / 3)
+    assert _filled(DEMO, "inference.replicas=2").max_num_seqs == DEFAULT_MAX_NUM_SEQS  # 64 / 2 = 32: the floor
+    assert _filled(DEMO, *big, "inference.replicas=2", "inference.torch.max_num_seqs=40").max_num_seqs == 40
+
+
 def test_the_engine_allocates_the_slots_it_is_given_or_the_default(tmp_path):
     with make_engine(max_num_seqs=None, max_model_len=64) as engine:  # unset, and no run to size it
         assert engine.config.max_num_seqs is None and engine.cache.num_slots == DEFAULT_MAX_NUM_SEQS

@@ -13,14 +13,16 @@ __all__ = ["ENTRY"]
 def fill(facts: RunFacts, config: Any):
     """The recipe's ``inference.torch`` section with the run's model and seed; the KV-cache slots are
     sized for the run's longest prompt + response (never longer than the section asks), and, where the section
-    leaves ``max_num_seqs`` unset, there are as many as one rollout round submits (`auto_num_seqs`). With adapter-only
+    leaves ``max_num_seqs`` unset, there are as many as one rollout round submits to each engine (`auto_num_seqs`
+    of the round's share of each of ``inference.replicas``: the router spreads requests evenly). With adapter-only
     LoRA sync the engine serves the trainer's adapter with the trainer's alpha and rank."""
     from tandem.engines.inference.torch.config import TorchEngineConfig, auto_num_seqs
 
     ec, changes = run_section(config, TorchEngineConfig, facts)
     changes["max_model_len"] = min(ec.max_model_len, facts.max_context)
     if ec.max_num_seqs is None:
-        changes["max_num_seqs"] = auto_num_seqs(facts.rollout_batch, changes["max_model_len"])
+        share = -(-facts.rollout_batch // max(1, facts.replicas))  # ceil: the router balances outstanding requests
+        changes["max_num_seqs"] = auto_num_seqs(share, changes["max_model_len"])
     changes |= adapter_changes(facts, ec)
     if facts.speculative is not None and ec.speculative is None:
         changes["speculative"] = facts.speculative  # rollout.speculative, unless inference.torch sets its own
