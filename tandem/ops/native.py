@@ -7,7 +7,7 @@ per matrix on them (SmolLM2-135M, 64 sequences: 192 matrices per product, ~21 ms
 at ~14 GFLOP/s, docs/benchmarks.md). The loop below reads each key and value row once, straight from the
 cache slots, and keeps the scores of one (sequence, head) in a thread's buffer: it is bound by reading the
 keys and values, as decode attention should be (with AVX-512: 16 keys a block, a transpose-add tree for
-their scores, a vector softmax and software prefetch; csrc/decode_attention.c). It also writes the step's
+their scores, a vector softmax; csrc/decode_attention.c). It also writes the step's
 own keys and values into the cache when asked (`new_k`, `new_v`), which torch's ``index_copy_`` did at
 ~90 us a layer on cold cache lines. SDPA's CPU flash kernel does not help here: it costs ~60 us per call
 and tiles for long query blocks.

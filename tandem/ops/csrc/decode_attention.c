@@ -10,11 +10,14 @@
  * floats, in a buffer of G x max_len (max_len >= every limit).
  *
  * With AVX-512 and a head dimension that is a multiple of 16 (64 and 128 specialised), a (row, head) pair runs
- * `pair16`: the scores of 16 keys at a time (a key block read from memory once, then from L1 for the group's
- * other query rows), each key's 16-lane partial sums folded into one vector of 16 scores by a transpose-add
- * tree (15 adds instead of 16 horizontal reductions), the softmax in vector arithmetic (fast_exp.h), and the
- * weighted values accumulated in registers over blocks of 32 value rows. Otherwise (or without AVX-512) the
- * portable loop below. Both read only keys and values at positions < limit.
+ * `pair16`: per query row of the group, the scores of 16 keys at a time (the pair's keys come from memory for
+ * the first row, from cache for the others), each key's 16-lane partial sums folded into one vector of 16
+ * scores by a transpose-add tree (15 adds instead of 16 horizontal reductions), the softmax in vector
+ * arithmetic (fast_exp.h), and the weighted values accumulated in registers over blocks of 32 value rows.
+ * Tried and not kept: software prefetch along keys, values and the next pair's keys (no measurable change at
+ * 83 or 400 keys), a one-pass online softmax reading each key block with its values (1.1-1.5x slower), the
+ * key / value blocks of bf16 converted once for all query rows (slower at 400 keys). Otherwise (or without
+ * AVX-512) the portable loop below. Both read only keys and values at positions < limit.
  *
  * With new_k / new_v ([R, H, D] contiguous, the cache's dtype; or NULL), row r's own key and value are first
  * written into the cache at position limit[r] - 1 of its slot (where the torch path's index_copy_ puts them),
@@ -90,29 +93,14 @@ static inline __m512 load16_bf16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-/* Software prefetch of rows [from, from + count) of the stream this pair reads in order: its keys 0 .. n-1,
- * then its values 0 .. n-1, then the next pair's first keys (nk, may be NULL). The hardware prefetchers stop
- * at each 4 KiB page and restart at each new row range; this keeps the next PREFETCH_ROWS rows in flight. */
-#define PREFETCH_ROWS 32
-static inline void prefetch_stream(const char *kk, const char *vv, const char *nk, int64_t k_l, int64_t v_l,
-                                   int64_t n, int64_t row_bytes, int64_t from, int64_t count) {
-    for (int64_t t = from; t < from + count; ++t) {
-        const char *row = t < n ? kk + t * k_l : t < 2 * n ? vv + (t - n) * v_l : nk ? nk + (t - 2 * n) * k_l : 0;
-        if (!row) return;
-        for (int64_t b = 0; b < row_bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
-    }
-}
-
 /* One (row, key head) pair: o [G, D] = softmax(q k^T * scale) v over keys 0 .. n-1 (n >= 1), with C = D / 16
  * vectors per row (a constant where the call site passes one, so the accumulators stay in registers).
  * p: G x n floats of scratch. */
 #define PAIR16(NAME, T, LOAD16)                                                                            \
     static inline __attribute__((always_inline)) void NAME(                                               \
-        const float *qq, const T *kk, const T *vv, const T *nk, int64_t k_l, int64_t v_l, int64_t n,      \
-        int64_t G, const int64_t C, float scale, float *p, float *o) {                                     \
-        const int64_t D = 16 * C, rb = D * (int64_t)sizeof(T), kb = k_l * (int64_t)sizeof(T),              \
-                      vb = v_l * (int64_t)sizeof(T);                                                       \
-        const char *kc = (const char *)kk, *vc = (const char *)vv, *nc = (const char *)nk;                 \
+        const float *qq, const T *kk, const T *vv, int64_t k_l, int64_t v_l, int64_t n, int64_t G,         \
+        const int64_t C, float scale, float *p, float *o) {                                                \
+        const int64_t D = 16 * C;                                                                          \
         float m[MAX_GROUP];                                                                                \
         for (int64_t g = 0; g < G; ++g) {                                                                  \
             const float *qg = qq + g * D;                                                                  \
@@ -121,7 +109,6 @@ static inline void prefetch_stream(const char *kk, const char *vv, const char *n
             __m512 mv = _mm512_set1_ps(-FLT_MAX);                                                          \
             for (int64_t j0 = 0; j0 < n; j0 += 16) {                                                       \
                 const int64_t jb = n - j0 < 16 ? n - j0 : 16;                                              \
-                if (g == 0) prefetch_stream(kc, vc, nc, kb, vb, n, rb, j0 + PREFETCH_ROWS, 16);            \
                 __m512 acc[16];                                                                            \
                 for (int64_t jj = 0; jj < 16; ++jj) {                                                      \
                     __m512 a = _mm512_setzero_ps();                                                        \
@@ -154,7 +141,6 @@ static inline void prefetch_stream(const char *kk, const char *vv, const char *n
         for (int64_t g = 0; g < G; ++g) memset(o + g * D, 0, sizeof(float) * (size_t)D);                  \
         for (int64_t j0 = 0; j0 < n; j0 += 32) { /* value rows in blocks: read once, then from L1 */       \
             const int64_t jb = n - j0 < 32 ? n - j0 : 32;                                                  \
-            prefetch_stream(kc, vc, nc, kb, vb, n, rb, n + j0 + PREFETCH_ROWS, 32);                        \
             for (int64_t g = 0; g < G; ++g) {                                                              \
                 __m512 acc[MAX_HEAD_DIM / 16];                                                             \
                 float *og = o + g * D;                                                                     \
@@ -179,16 +165,16 @@ PAIR16(pair16_f32, float, load16_f32)
 PAIR16(pair16_bf16, uint16_t, load16_bf16)
 
 /* the pair with C a constant for the common head dimensions */
-#define PAIR16_DISPATCH(FN, q, k, v, nk, k_l, v_l, n, G, D, scale, p, o)                                  \
+#define PAIR16_DISPATCH(FN, q, k, v, k_l, v_l, n, G, D, scale, p, o)                                      \
     do {                                                                                                   \
-        if ((D) == 64) FN(q, k, v, nk, k_l, v_l, n, G, 4, scale, p, o);                                    \
-        else if ((D) == 128) FN(q, k, v, nk, k_l, v_l, n, G, 8, scale, p, o);                              \
-        else FN(q, k, v, nk, k_l, v_l, n, G, (D) / 16, scale, p, o);                                       \
+        if ((D) == 64) FN(q, k, v, k_l, v_l, n, G, 4, scale, p, o);                                        \
+        else if ((D) == 128) FN(q, k, v, k_l, v_l, n, G, 8, scale, p, o);                                  \
+        else FN(q, k, v, k_l, v_l, n, G, (D) / 16, scale, p, o);                                           \
     } while (0)
 #define FAST16(D) ((D) % 16 == 0)
 #else
 #define FAST16(D) 0
-#define PAIR16_DISPATCH(FN, q, k, v, nk, k_l, v_l, n, G, D, scale, p, o) do { } while (0)
+#define PAIR16_DISPATCH(FN, q, k, v, k_l, v_l, n, G, D, scale, p, o) do { } while (0)
 #endif
 
 #define DECODE_ATTENTION(NAME, T, LOAD, PAIR16_FN)                                                             \
@@ -225,9 +211,7 @@ PAIR16(pair16_bf16, uint16_t, load16_bf16)
                 const float *qq = q + pair * G * D;                                                  \
                 const T *kk = k + slot[s] * k_s + h * k_h, *vv = v + slot[s] * v_s + h * v_h;         \
                 if (FAST16(D)) {                                                                     \
-                    const int64_t nx = pair + 1, ns = nx / H; /* the next pair's keys, to prefetch */   \
-                    const T *nk = nx < S * H ? k + slot[ns] * k_s + (nx % H) * k_h : 0;                  \
-                    PAIR16_DISPATCH(PAIR16_FN, qq, kk, vv, nk, k_l, v_l, n, G, D, scale, p, o);        \
+                    PAIR16_DISPATCH(PAIR16_FN, qq, kk, vv, k_l, v_l, n, G, D, scale, p, o);            \
                     continue;                                                                        \
                 }                                                                                    \
                 float m[MAX_GROUP], inv[MAX_GROUP];                                                  \
