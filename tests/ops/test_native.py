@@ -31,7 +31,9 @@ def _view(cache, s, length):  # the strided view of slots 1 .. s the torch path 
 
 @needs_native
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("s,hkv,g,d,length", [(5, 3, 3, 64, 82), (1, 1, 1, 32, 1), (7, 2, 8, 128, 300), (4, 4, 1, 16, 9)])
+@pytest.mark.parametrize("s,hkv,g,d,length", [(5, 3, 3, 64, 82), (1, 1, 1, 32, 1), (7, 2, 8, 128, 300), (4, 4, 1, 16, 9),
+                                             (2, 2, 2, 48, 40), (3, 1, 16, 80, 130), (2, 1, 3, 256, 33),
+                                             (2, 2, 2, 40, 17)])  # head dims off the specialised 64 / 128
 def test_matches_the_torch_path(dtype, tol, s, hkv, g, d, length):
     q, cache_k, cache_v, slots, limit = _case(s, hkv, g, d, 512, length, dtype)
     scale = d**-0.5
