@@ -28,6 +28,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from tandem.models.recompute import offer
+
 __all__ = ["backward_kernels", "pointwise_kernels", "rms_norm", "rotary", "silu", "silu_override", "swiglu"]
 
 _native = threading.local()  # .lib: tandem.ops.native's "pointwise" library inside `pointwise_kernels`;
@@ -111,15 +113,18 @@ def _rms_norm_plain(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     return weight * h.to(dtype)
 
 
+def _rms_norm_from(x: torch.Tensor, weight: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """RMSNorm's output from its input and per-row ``rsqrt`` (the forward, and its recomputation)."""
+    return weight * (x.float() * r).to(x.dtype)
+
+
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        r = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, r)
         ctx.kernels = _grad_lib()
-        return weight * (h * r).to(dtype)
+        return offer(_rms_norm_from(x, weight, r), _rms_norm_from, x, weight, r)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
@@ -191,12 +196,18 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 # -- SwiGLU -------------------------------------------------------------------------------------------
 
 
+def _swiglu_with(silu_fn, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``silu_fn(a) * b``: the forward, and its recomputation with the SiLU the forward used (the
+    batch-invariant mode's, where it is on)."""
+    return silu_fn(a) * b
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(a, b)
         ctx.kernels = _grad_lib()
-        return F.silu(a) * b
+        return offer(_swiglu_with(F.silu, a, b), _swiglu_with, F.silu, a, b)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

@@ -62,6 +62,7 @@ from tandem.engines.training.fsdp.vocab_parallel import can_shard_vocabulary, sh
 from tandem.models.attention import MoERouting
 from tandem.models.hf_names import checkpoint_named
 from tandem.models.lean_ops import backward_kernels
+from tandem.models.recompute import recompute_saved
 from tandem.models.registry import DTYPES
 from tandem.models.vector_math import warm_vector_math
 from tandem.ops import native
@@ -171,6 +172,7 @@ class FSDPEngine:
         self._hint_bf16(config)
         # the lean backward passes' native kernels (CPU, normal mode), or None: torch's
         self._grad_kernels = native.choose("pointwise", config.pointwise_kernels, self.ctx.device, config.deterministic)
+        self._recompute = config.recompute_pointwise
         if config.qat is not None:  # before sharding: QATLinear replaces plain nn.Linear modules
             apply_quantization(loaded, config.qat)
         if config.lora is not None:
@@ -346,7 +348,7 @@ class FSDPEngine:
         loss_total = torch.zeros((), dtype=torch.float64)
         plan = self._plan(batch, module.native)
         for sub, mb in self._micro_batches(batch, plan, module.native):
-            with self._invariant(), backward_kernels(self._grad_kernels):
+            with self._invariant(), backward_kernels(self._grad_kernels), recompute_saved(self._recompute):
                 lp, ent, routing = self._run(module, mb, with_entropy=with_entropy)
             if sub is None:
                 loss = lp.sum() * 0.0

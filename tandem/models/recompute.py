@@ -1,0 +1,116 @@
+"""Saved activations that backward computes again from what it keeps anyway (`recompute_saved`).
+
+Autograd keeps the input of every linear layer for its weight gradient. Three of those inputs in a decoder
+layer are the outputs of cheap pointwise functions whose own inputs autograd keeps too: both RMSNorms' outputs
+(their inputs, the residual stream, and the per-row ``rsqrt`` are kept for the norm's backward) and SwiGLU's
+``silu(a) * b`` (``a`` and ``b`` are kept for SwiGLU's backward); the final norm's output is kept by the
+vocabulary projection in the same way. For SmolLM2-135M that is 2 x 576 + 1,536 of the 8,502 floats a training
+forward keeps per token and layer (tandem/models/lean_ops.py's functions, saved-tensor hooks counting).
+
+Inside `recompute_saved`, those functions `offer` their output: a saved-tensor pack hook that is handed the
+output (or a view of it) stores how to compute it (the function and its inputs, all held by autograd already)
+instead of the tensor, and the first unpack in backward computes it again, once for all the layers that saved
+it (q, k, v and their LoRA adapters read the same norm output); the value lives until the last of them has
+run its backward. The recomputation calls the forward's own torch ops on the same inputs, so it gives the
+same bits and the gradients are unchanged (tests/models/test_recompute.py checks them bit for bit).
+
+Not substituted (kept as before): outputs made while a torch function mode is active (the deterministic
+mode's batch-invariant ops: a recomputation outside the mode might not give the same bits), a tensor modified in place after it was made, one whose maker is gone (the
+registry holds weak references only), and anything saved inside an activation-checkpointed region, whose own
+saved-tensor hooks take precedence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+
+import torch
+
+__all__ = ["offer", "recompute_saved"]
+
+_state = threading.local()  # .registry: the enclosing `recompute_saved`'s {storage pointer: _Maker}
+
+
+class _Maker:
+    """How to compute one offered output again: ``fn(*inputs)``, with the output's geometry to check."""
+
+    __slots__ = ("fn", "inputs", "ref", "size", "stride", "offset", "dtype", "version", "value", "__weakref__")
+
+    def __init__(self, out: torch.Tensor, fn: Callable[..., torch.Tensor], inputs: tuple, ref) -> None:
+        self.fn, self.inputs, self.ref = fn, inputs, ref
+        self.size, self.stride, self.offset = tuple(out.shape), out.stride(), out.storage_offset()
+        self.dtype, self.version, self.value = out.dtype, out._version, None
+
+    def compute(self) -> torch.Tensor:
+        if self.value is None:
+            with torch.no_grad():
+                value = self.fn(*self.inputs)
+            if value.stride() != self.stride or value.storage_offset() != 0:
+                value = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=value.device).copy_(value)
+            self.value = value
+        return self.value
+
+
+class _Saved:
+    """A saved tensor stood in for by its maker and where it lies in the maker's output."""
+
+    __slots__ = ("maker", "size", "stride", "offset")
+
+    def __init__(self, maker: _Maker, t: torch.Tensor) -> None:
+        self.maker, self.size, self.stride = maker, tuple(t.shape), t.stride()
+        self.offset = t.storage_offset() - maker.offset
+
+    def unpack(self) -> torch.Tensor:
+        value = self.maker.compute()
+        if self.offset == 0 and self.size == self.maker.size and self.stride == self.maker.stride:
+            return value
+        return value.as_strided(self.size, self.stride, value.storage_offset() + self.offset)
+
+
+def offer(out: torch.Tensor, fn: Callable[..., torch.Tensor], *inputs) -> torch.Tensor:
+    """Inside `recompute_saved` (this thread): a saved ``out`` (or view of it) is kept as ``fn(*inputs)``, to be
+    computed again in backward; ``fn`` must give ``out``'s bits from ``inputs``, which autograd must keep anyway
+    (else this costs memory rather than saving it). Outside: nothing. Returns ``out``."""
+    registry = getattr(_state, "registry", None)
+    if registry is None or torch._C._is_torch_function_mode_enabled():  # a mode (the batch-invariant one) may
+        return out  # change what the forward's ops computed: recomputed outside it, they might not agree
+    key = out.untyped_storage().data_ptr()
+    ref = weakref.ref(out, lambda _r, key=key, registry=registry: _forget(registry, key, _r))
+    registry[key] = _Maker(out, fn, inputs, ref)
+    return out
+
+
+def _forget(registry: dict, key: int, ref) -> None:
+    maker = registry.get(key)
+    if maker is not None and maker.ref is ref:
+        del registry[key]
+
+
+@contextlib.contextmanager
+def recompute_saved(enabled: bool = True) -> Iterator[None]:
+    """Around a training forward (this thread): outputs offered by `offer` are saved as how to compute them
+    again, not as tensors (module docstring). Backward may run outside the block. ``enabled=False``: a no-op."""
+    if not enabled:
+        yield
+        return
+    registry: dict[int, _Maker] = {}
+
+    def pack(t: torch.Tensor):
+        maker = registry.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
+        if maker is None or maker.ref() is None or maker.ref()._version != maker.version or t.dtype != maker.dtype:
+            return t
+        return _Saved(maker, t)
+
+    def unpack(saved):
+        return saved.unpack() if isinstance(saved, _Saved) else saved
+
+    previous = getattr(_state, "registry", None)
+    _state.registry = registry
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            yield
+    finally:
+        _state.registry = previous

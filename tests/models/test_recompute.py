@@ -1,0 +1,155 @@
+"""`recompute_saved`: the RMSNorm and SwiGLU outputs that linear layers save are kept as how to compute them
+again, so a forward keeps fewer bytes for backward, and the gradients are the same bits."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from tandem.models.attention import VarlenAttention
+from tandem.models.lean_ops import rms_norm, swiglu
+from tandem.models.recompute import recompute_saved
+from tandem.models.tiny import tiny_config
+from tandem.models.transformer import CausalLM, TransformerArgs
+from tandem.ops import batch_invariant_mode
+
+LENGTHS = [5, 17, 9]
+
+
+def _model(dtype=torch.float32):
+    args = TransformerArgs.from_hf_config(tiny_config("llama", 256))
+    torch.manual_seed(0)
+    model = CausalLM(args).to(dtype)
+    n = sum(LENGTHS)
+    ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(k) for k in LENGTHS])
+    return model, ids, positions
+
+
+def _forward(model, ids, positions, enabled: bool, *, deterministic: bool = False):
+    with batch_invariant_mode(deterministic), recompute_saved(enabled):
+        # chunks of 7 rows: the vocabulary projection saves views of the final norm's output
+        lp, _ = model(ids, positions, VarlenAttention.from_lengths(LENGTHS), targets=ids, logprob_chunk=7)
+    return lp
+
+
+def _kept_bytes(model, ids, positions, enabled: bool, **kw) -> int:
+    """Bytes of the tensors alive after a forward (what it keeps for backward), parameters not counted."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        tracker = MemTracker()
+        tracker.track_external(model)
+        with tracker:
+            lp = _forward(model, ids, positions, enabled, **kw)
+            snapshot = next(iter(tracker.get_tracker_snapshot().values()))
+    del lp
+    skip = {"Total", "Parameter", "Buffer", "Gradient"}
+    return sum(v for k, v in snapshot.items() if str(getattr(k, "value", k)) not in skip)
+
+
+def _grads(model, ids, positions, enabled: bool, **kw) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    lp = _forward(model, ids, positions, enabled, **kw)
+    (lp * torch.linspace(-1, 1, lp.numel(), dtype=lp.dtype)).sum().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gradients_are_the_same_bits(dtype):
+    model, ids, positions = _model(dtype)
+    plain, lean = _grads(model, ids, positions, False), _grads(model, ids, positions, True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, lean, strict=True))
+
+
+def test_a_forward_keeps_both_norm_outputs_and_the_swiglu_product_less_per_token_and_layer():
+    model, ids, positions = _model()
+    args, n = model.args, ids.numel()
+    plain, lean = _kept_bytes(model, ids, positions, False), _kept_bytes(model, ids, positions, True)
+    per_layer = 2 * args.hidden_size + args.intermediate_size  # two RMSNorm outputs, silu(gate) * up
+    assert plain - lean == 4 * n * (args.num_layers * per_layer + args.hidden_size)  # + the final norm's
+
+
+def test_the_deterministic_mode_keeps_its_tensors_and_its_gradients():
+    model, ids, positions = _model()
+    plain = _kept_bytes(model, ids, positions, False, deterministic=True)
+    assert _kept_bytes(model, ids, positions, True, deterministic=True) == plain
+    a = _grads(model, ids, positions, False, deterministic=True)
+    b = _grads(model, ids, positions, True, deterministic=True)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_an_output_changed_in_place_is_saved_as_it_is():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(6, 8, generator=g, requires_grad=True), torch.randn(8, generator=g, requires_grad=True)
+    lin = torch.randn(8, 3, generator=g, requires_grad=True)
+    a, b = torch.randn(6, 8, generator=g, requires_grad=True), torch.randn(6, 8, generator=g, requires_grad=True)
+
+    def loss(enabled: bool):
+        with recompute_saved(enabled):
+            y = rms_norm(x, w, 1e-6)
+            y.mul_(3.0)  # after its maker: a recomputation would give the values before this
+            z = swiglu(a, b) + 0.0  # a new tensor: nothing to recompute
+            out = (y @ lin).square().sum() + (z @ lin[:, :1].expand(8, 8)).sum()
+        return torch.autograd.grad(out, [x, w, lin, a, b])
+
+    assert all(torch.equal(p, q) for p, q in zip(loss(False), loss(True), strict=True))
+
+
+def test_backward_after_the_block_and_a_retained_graph_twice():
+    model, ids, positions = _model()
+    lp = _forward(model, ids, positions, True)
+    first = torch.autograd.grad(lp.sum(), list(model.parameters()), retain_graph=True)
+    second = torch.autograd.grad(lp.sum(), list(model.parameters()))
+    ref = torch.autograd.grad(_forward(model, ids, positions, False).sum(), list(model.parameters()))
+    assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(ref, first, second, strict=True))
+
+
+def test_disabled_is_a_no_op_and_nesting_restores_the_outer_block():
+    from tandem.models import recompute
+
+    with recompute_saved(False):
+        assert getattr(recompute._state, "registry", None) is None
+    with recompute_saved():
+        outer = recompute._state.registry
+        with recompute_saved():
+            assert recompute._state.registry is not outer
+        assert recompute._state.registry is outer
+    assert recompute._state.registry is None
+
+
+@pytest.mark.parametrize("setting", ["plain", "lora", "checkpointing"])
+def test_the_fsdp_engine_steps_to_the_same_gradients_with_it_on_and_off(setting, monkeypatch):
+    from tandem.engines.training.fsdp import (
+        FSDPConfig,
+        FSDPEngine,
+        LoRAConfig,
+        OptimizerConfig,
+        ParallelConfig,
+    )
+    from tandem.models import ModelConfig, recompute
+    from tests.engines.training.helpers import GROUPED, engine_grads, make_batch, token_mean_pg
+
+    recomputed = []
+    unpack = recompute._Saved.unpack
+    monkeypatch.setattr(recompute._Saved, "unpack", lambda self: recomputed.append(1) or unpack(self))
+    batch = make_batch(GROUPED, shared_prompts=True)
+    grads = []
+    for on in (False, True):
+        engine = FSDPEngine(FSDPConfig(
+            model=ModelConfig(name="tiny-llama"), optimizer=OptimizerConfig(lr=1e-3), micro_batch_tokens=40,
+            recompute_pointwise=on, parallel=ParallelConfig(activation_checkpointing=setting == "checkpointing"),
+            lora=LoRAConfig(rank=4, target_modules=("q_proj", "v_proj", "down_proj")) if setting == "lora" else None,
+        ))
+        assert engine._recompute is on
+        engine._accumulate_gradients(batch, token_mean_pg)
+        grads.append(engine_grads(engine))
+        # the engine's forward stood recomputations in, only when on; checkpointed layers keep nothing inside
+        # (their saved-tensor hooks are the innermost) and the final norm's response rows are a gathered copy
+        assert bool(recomputed) is (on and setting != "checkpointing")
+        recomputed.clear()
+    assert grads[0] and grads[0].keys() == grads[1].keys()
+    assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
