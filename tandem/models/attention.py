@@ -16,6 +16,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from tandem.models.recompute import offer
+
 __all__ = ["AttentionContext", "MoERouting", "PrefixLayout", "SharedPrefixAttention", "VarlenAttention"]
 
 
@@ -79,8 +81,22 @@ class VarlenAttention:
             scale=scale,
             enable_gqa=hq != k.shape[1],
         )  # [S, Hq, Lmax, D]
-        out = out.transpose(1, 2).reshape(self.num_seqs * self.max_len, hq, d)
-        return out if self.uniform else out.index_select(0, self.padded_index)
+        if self.uniform:
+            return out.transpose(1, 2).reshape(self.num_seqs * self.max_len, hq, d)
+        # the rows the output projection keeps are a gather of SDPA's output, which SDPA keeps itself
+        return offer(_unpad(out, self.padded_index), _unpad, out, self.padded_index)
+
+
+def _unpad(out: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``out [S, Hq, L, D]`` -> its rows ``index`` of the flat ``[S * L, Hq, D]``."""
+    s, hq, length, d = out.shape
+    return out.transpose(1, 2).reshape(s * length, hq, d).index_select(0, index)
+
+
+def _unpad_cat(index: torch.Tensor, *outs: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of the flat outputs ``outs [S_i, Hq, L_i, D]`` stacked."""
+    hq, d = outs[0].shape[1], outs[0].shape[3]
+    return torch.cat([o.transpose(1, 2).reshape(-1, hq, d) for o in outs]).index_select(0, index)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +150,7 @@ class SharedPrefixAttention:
         self.pre_index = _gather_index(pre_starts, pre_lengths, n)  # [G, Pmax]
         rows = [self.pre_index.reshape(-1)]
         self.suf_query = self.suf_key = self.suf_mask = None
+        self._float_masks: dict[tuple, torch.Tensor] = {}
         if layout.suffixes:
             starts = [s for s, _, _ in layout.suffixes]
             lengths = torch.tensor([m for _, m, _ in layout.suffixes])
@@ -154,6 +171,17 @@ class SharedPrefixAttention:
         self.token_row = torch.empty(n, dtype=torch.long)
         self.token_row[order[real]] = real
 
+    def _float_mask(self, q: torch.Tensor) -> torch.Tensor:
+        """The suffixes' mask as SDPA turns a boolean one into (0 where seen, -inf elsewhere, ``q``'s dtype), made
+        once for all layers: SDPA keeps the mask it was given for backward, and a boolean one would be converted,
+        and kept, again in every layer (~200 floats per token and layer for 8 x 8 GRPO rows)."""
+        key = (q.device, q.dtype)
+        if key not in self._float_masks:
+            mask = self.suf_mask.to(q.device)
+            self._float_masks[key] = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
+                mask.logical_not(), float("-inf"))
+        return self._float_masks[key]
+
     def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
         n, hq, d = q.shape
         if n != self.num_tokens:
@@ -169,15 +197,15 @@ class SharedPrefixAttention:
         out = F.scaled_dot_product_attention(
             rows(qe, ix), rows(ke, ix), rows(ve, ix), is_causal=True, scale=scale, enable_gqa=gqa
         )
-        outs = [out.transpose(1, 2).reshape(-1, hq, d)]
+        outs = [out]
         if self.suf_query is not None:
             iq, ik = self.suf_query.to(q.device), self.suf_key.to(q.device)
-            out = F.scaled_dot_product_attention(
-                rows(qe, iq), rows(ke, ik), rows(ve, ik), attn_mask=self.suf_mask.to(q.device), scale=scale,
+            outs.append(F.scaled_dot_product_attention(
+                rows(qe, iq), rows(ke, ik), rows(ve, ik), attn_mask=self._float_mask(q), scale=scale,
                 enable_gqa=gqa,
-            )
-            outs.append(out.transpose(1, 2).reshape(-1, hq, d))
-        return torch.cat(outs).index_select(0, self.token_row.to(q.device))
+            ))
+        row = self.token_row.to(q.device)  # a gather of SDPA's outputs, which SDPA keeps itself
+        return offer(_unpad_cat(row, *outs), _unpad_cat, row, *outs)
 
 
 class MoERouting:

@@ -157,6 +157,23 @@ def test_shared_prefix_attention_matches_each_sequence_alone(hq, hkv):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_suffix_mask_made_once_gives_the_bits_of_sdpa_s_own_conversion(dtype, monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    layout, _ = _random_layout(gen)
+    n = layout.num_tokens
+    qkv = [torch.randn(n, h, 8, generator=gen).to(dtype).requires_grad_() for h in (4, 2, 2)]
+    w = torch.randn(n, 4, 8, generator=gen).to(dtype)
+    ctx = SharedPrefixAttention(layout)
+    got = ctx.attend(0, *qkv, 0.3)
+    assert ctx._float_mask(qkv[0]) is ctx._float_mask(qkv[0])  # one tensor for every layer
+    grads = torch.autograd.grad((got * w).sum(), qkv)
+    monkeypatch.setattr(SharedPrefixAttention, "_float_mask", lambda self, q: self.suf_mask)  # SDPA converts
+    ref = SharedPrefixAttention(layout).attend(0, *qkv, 0.3)
+    ref_grads = torch.autograd.grad((ref * w).sum(), qkv)
+    assert torch.equal(got, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
+
+
 def test_invariant_shared_prefix_attention_is_bit_identical_to_each_sequence():
     gen = torch.Generator().manual_seed(1)
     layout, seqs = _random_layout(gen)
