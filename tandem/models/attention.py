@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,9 +33,10 @@ class AttentionContext(Protocol):
 class VarlenAttention:
     """Causal attention within each of several sequences packed into one flat batch.
 
-    ``cu_seqlens [S + 1]`` are the cumulative lengths (``cu_seqlens[-1] == N``). Sequences are scattered
-    into a right-padded ``[S, Lmax]`` layout for one SDPA call; with right padding, plain causal
-    masking already keeps every real query away from padded keys, so no mask is needed.
+    ``cu_seqlens [S + 1]`` are the cumulative lengths (``cu_seqlens[-1] == N``). Sequences of equal lengths go
+    through one SDPA call as a ``[S, L]`` view; otherwise they are gathered into up to `MAX_PADDED_CALLS`
+    right-padded ``[S_i, L_i]`` layouts of similar lengths (`_length_buckets`), one SDPA call each: with right
+    padding, plain causal masking already keeps every real query away from padded keys, so no mask is needed.
     """
 
     def __init__(self, cu_seqlens: torch.Tensor) -> None:
@@ -46,12 +48,19 @@ class VarlenAttention:
             )
         self.num_seqs = int(lengths.numel())
         self.max_len = int(lengths.max())
-        self.num_tokens = int(cu[-1])
-        seq_of_token = torch.repeat_interleave(torch.arange(self.num_seqs, device=cu.device), lengths)
-        offset = torch.arange(self.num_tokens, device=cu.device) - cu[:-1][seq_of_token]
-        # flat token i -> row in the padded [S * Lmax] layout
-        self.padded_index = seq_of_token * self.max_len + offset
+        self.num_tokens = n = int(cu[-1])
         self.uniform = bool((lengths == self.max_len).all())
+        self.calls: list[torch.Tensor] = []  # per SDPA call: [S_i, L_i] flat token index, padded with n
+        if not self.uniform:
+            starts, lens = cu[:-1].tolist(), lengths.tolist()
+            rows = []
+            for pick in _length_buckets(lens, lens, MAX_PADDED_CALLS):
+                self.calls.append(_gather_index([starts[i] for i in pick], [lens[i] for i in pick], n).to(cu.device))
+                rows.append(self.calls[-1].reshape(-1))
+            order = torch.cat(rows)  # flat token -> its row in cat(call outputs)
+            real = (order < n).nonzero(as_tuple=True)[0]
+            self.token_row = torch.empty(n, dtype=torch.long, device=cu.device)
+            self.token_row[order[real]] = real
 
     @classmethod
     def from_lengths(
@@ -60,37 +69,61 @@ class VarlenAttention:
         lengths = torch.as_tensor(lengths, dtype=torch.long, device=device)
         return cls(F.pad(torch.cumsum(lengths, 0), (1, 0)))
 
-    def _to_padded(self, x: torch.Tensor) -> torch.Tensor:
-        """``[N, H, D]`` -> ``[S, H, Lmax, D]``."""
-        n, h, d = x.shape
-        if self.uniform:
-            return x.view(self.num_seqs, self.max_len, h, d).transpose(1, 2)
-        out = x.new_zeros(self.num_seqs * self.max_len, h, d)
-        out = out.index_copy(0, self.padded_index, x)
-        return out.view(self.num_seqs, self.max_len, h, d).transpose(1, 2)
-
     def attend(self, layer_idx: int, q, k, v, scale: float) -> torch.Tensor:
         n, hq, d = q.shape
         if n != self.num_tokens:
             raise ValueError(f"VarlenAttention built for {self.num_tokens} tokens got {n}")
-        out = F.scaled_dot_product_attention(
-            self._to_padded(q),
-            self._to_padded(k),
-            self._to_padded(v),
-            is_causal=True,
-            scale=scale,
-            enable_gqa=hq != k.shape[1],
-        )  # [S, Hq, Lmax, D]
+        gqa = hq != k.shape[1]
         if self.uniform:
-            return out.transpose(1, 2).reshape(self.num_seqs * self.max_len, hq, d)
-        # the rows the output projection keeps are a gather of SDPA's output, which SDPA keeps itself
-        return offer(_unpad(out, self.padded_index), _unpad, out, self.padded_index)
+            s, length = self.num_seqs, self.max_len
+            out = F.scaled_dot_product_attention(
+                *(x.view(s, length, *x.shape[1:]).transpose(1, 2) for x in (q, k, v)),
+                is_causal=True, scale=scale, enable_gqa=gqa,
+            )  # [S, Hq, L, D]
+            return out.transpose(1, 2).reshape(s * length, hq, d)
+        qe, ke, ve = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (q, k, v))  # row n: padding
+        outs = [F.scaled_dot_product_attention(_rows(qe, ix), _rows(ke, ix), _rows(ve, ix), is_causal=True,
+                                               scale=scale, enable_gqa=gqa) for ix in self.calls]
+        # the rows the output projection keeps are a gather of SDPA's outputs, which SDPA keeps itself
+        return offer(_unpad_cat(self.token_row, *outs), _unpad_cat, self.token_row, *outs)
 
 
-def _unpad(out: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """``out [S, Hq, L, D]`` -> its rows ``index`` of the flat ``[S * L, Hq, D]``."""
-    s, hq, length, d = out.shape
-    return out.transpose(1, 2).reshape(s * length, hq, d).index_select(0, index)
+def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``x [N + 1, H, D]`` at ``index [S, L]`` -> ``[S, H, L, D]``; index_select: its backward (index_add) is ~4x
+    faster on CPU than advanced indexing's (index_put with accumulate)."""
+    return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:]).transpose(1, 2)
+
+
+MAX_PADDED_CALLS = 4  # SDPA calls, at most, that `VarlenAttention` splits its sequences into (by length), and
+# `SharedPrefixAttention` its suffixes
+
+
+def _length_buckets(q_len: list[int], k_len: list[int], max_calls: int = MAX_PADDED_CALLS,
+                    slack: float = 1.05) -> list[list[int]]:
+    """Row indices grouped into padded attention calls: sorted by key length, cut into contiguous runs that minimise
+    the padded area ``sum(rows x (max query length + max key length))`` (what the calls keep for backward: padded
+    queries and outputs, keys and values); the fewest calls within ``slack`` of the best with ``max_calls``."""
+    order = np.argsort(np.asarray(k_len), kind="stable")
+    q, k = np.asarray(q_len)[order], np.asarray(k_len)[order]
+    n = len(order)
+    cost = np.full((n + 1, n + 1), np.inf)  # cost[i, j]: rows order[i:j] in one call (k sorted: max is k[j - 1])
+    for i in range(n):
+        qmax = np.maximum.accumulate(q[i:])
+        cost[i, i + 1:] = np.arange(1, n - i + 1) * (qmax + k[i:])
+    best = [cost[0]]  # best[c][j]: rows order[:j] in c + 1 calls
+    cut = []
+    for _ in range(1, min(max_calls, n)):
+        total = best[-1][:, None] + cost  # [i, j]: the first i rows in the calls so far, then i:j in one
+        cut.append(np.argmin(total, axis=0))
+        best.append(total[cut[-1], np.arange(n + 1)])
+    calls = next(c for c in range(len(best)) if best[c][n] <= slack * best[-1][n])
+    bounds, j = [n], n
+    for c in range(calls, 0, -1):
+        j = int(cut[c - 1][j])
+        bounds.append(j)
+    bounds.append(0)
+    bounds.reverse()
+    return [order[a:b].tolist() for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
 
 
 def _unpad_cat(index: torch.Tensor, *outs: torch.Tensor) -> torch.Tensor:
@@ -138,9 +171,10 @@ class SharedPrefixAttention:
     removes its repeated projections and MLPs from the forward and backward (the "shared-prefix forward"
     of Prefix Grouper, Liu et al. 2025). Each token gets the attention it would get in its own sequence:
     a prefix token attends causally within the prefix, a suffix token to the whole prefix and causally
-    within its suffix; the gradients of the prefix sum over the suffixes that read it. Two SDPA calls
-    per layer: the prefixes (right-padded, causal) and the suffixes (queries right-padded, keys
-    ``prefix + suffix`` gathered per suffix, a mask for the prefix offset).
+    within its suffix; the gradients of the prefix sum over the suffixes that read it. SDPA calls per layer:
+    the prefixes (right-padded, causal) and the suffixes in up to `MAX_PADDED_CALLS` calls of similar lengths
+    (queries right-padded, keys ``prefix + suffix`` gathered per suffix, a mask for the prefix offset), so a
+    batch of short and long responses does not pad every one to the longest.
     """
 
     def __init__(self, layout: PrefixLayout) -> None:
@@ -149,35 +183,46 @@ class SharedPrefixAttention:
         pre_lengths = [m for _, m in layout.prefixes]
         self.pre_index = _gather_index(pre_starts, pre_lengths, n)  # [G, Pmax]
         rows = [self.pre_index.reshape(-1)]
-        self.suf_query = self.suf_key = self.suf_mask = None
+        # the suffixes in up to MAX_PADDED_CALLS attention calls of similar lengths (`_length_buckets`): each
+        # (query index [R, Smax], key index [R, Kmax], boolean mask [R, 1, Smax, Kmax])
+        self.suffix_calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._float_masks: dict[tuple, torch.Tensor] = {}
         if layout.suffixes:
-            starts = [s for s, _, _ in layout.suffixes]
+            starts = torch.tensor([s for s, _, _ in layout.suffixes])
             lengths = torch.tensor([m for _, m, _ in layout.suffixes])
             plen = torch.tensor([pre_lengths[g] for *_, g in layout.suffixes])
             pstart = torch.tensor([pre_starts[g] for *_, g in layout.suffixes])
-            self.suf_query = _gather_index(starts, lengths.tolist(), n)  # [R, Smax]
-            width = int((plen + lengths).max())
-            t = torch.arange(width)[None, :]
-            key = torch.where(t < plen[:, None], pstart[:, None] + t, torch.as_tensor(starts)[:, None] + t - plen[:, None])
-            self.suf_key = torch.where(t < (plen + lengths)[:, None], key, n)  # [R, Kmax]
-            j = torch.arange(self.suf_query.shape[1])
-            # query j of suffix r sits at sequence position plen[r] + j and sees keys 0 .. plen[r] + j
-            self.suf_mask = (t[:, None, :] <= (plen[:, None] + j[None, :])[:, :, None])[:, None]  # [R, 1, Smax, Kmax]
-            rows.append(self.suf_query.reshape(-1))
+            for pick in _length_buckets(lengths.tolist(), (plen + lengths).tolist(), MAX_PADDED_CALLS):
+                call = self._suffix_call(starts[pick], lengths[pick], plen[pick], pstart[pick], n)
+                self.suffix_calls.append(call)
+                rows.append(call[0].reshape(-1))
         # flat token -> its row in cat(prefix outputs, suffix outputs)
         order = torch.cat(rows)
         real = (order < n).nonzero(as_tuple=True)[0]
         self.token_row = torch.empty(n, dtype=torch.long)
         self.token_row[order[real]] = real
 
-    def _float_mask(self, q: torch.Tensor) -> torch.Tensor:
-        """The suffixes' mask as SDPA turns a boolean one into (0 where seen, -inf elsewhere, ``q``'s dtype), made
-        once for all layers: SDPA keeps the mask it was given for backward, and a boolean one would be converted,
-        and kept, again in every layer (~200 floats per token and layer for 8 x 8 GRPO rows)."""
-        key = (q.device, q.dtype)
+    @staticmethod
+    def _suffix_call(starts, lengths, plen, pstart, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One attention call's indices for these suffixes: queries right-padded with ``n`` (the zero row), keys
+        ``prefix + suffix`` per suffix, and the mask of what each query sees."""
+        query = _gather_index(starts.tolist(), lengths.tolist(), n)  # [R, Smax]
+        width = int((plen + lengths).max())
+        t = torch.arange(width)[None, :]
+        key = torch.where(t < plen[:, None], pstart[:, None] + t, starts[:, None] + t - plen[:, None])
+        key = torch.where(t < (plen + lengths)[:, None], key, n)  # [R, Kmax]
+        j = torch.arange(query.shape[1])
+        # query j of suffix r sits at sequence position plen[r] + j and sees keys 0 .. plen[r] + j
+        mask = (t[:, None, :] <= (plen[:, None] + j[None, :])[:, :, None])[:, None]  # [R, 1, Smax, Kmax]
+        return query, key, mask
+
+    def _float_mask(self, i: int, q: torch.Tensor) -> torch.Tensor:
+        """Suffix call ``i``'s mask as SDPA turns a boolean one into (0 where seen, -inf elsewhere, ``q``'s dtype),
+        made once for all layers: SDPA keeps the mask it was given for backward, and a boolean one would be
+        converted, and kept, again in every layer (~200 floats per token and layer for 8 x 8 GRPO rows)."""
+        key = (i, q.device, q.dtype)
         if key not in self._float_masks:
-            mask = self.suf_mask.to(q.device)
+            mask = self.suffix_calls[i][2].to(q.device)
             self._float_masks[key] = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(
                 mask.logical_not(), float("-inf"))
         return self._float_masks[key]
@@ -188,20 +233,16 @@ class SharedPrefixAttention:
             raise ValueError(f"SharedPrefixAttention built for {self.num_tokens} tokens got {n}")
         gqa = hq != k.shape[1]
         qe, ke, ve = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (q, k, v))  # row n: padding
-
-        def rows(x, index):  # [S, L] index -> [S, H, L, D]; index_select: its backward (index_add) is ~4x
-            # faster on CPU than advanced indexing's (index_put with accumulate)
-            return x.index_select(0, index.reshape(-1)).view(*index.shape, *x.shape[1:]).transpose(1, 2)
-
+        rows = _rows
         ix = self.pre_index.to(q.device)
         out = F.scaled_dot_product_attention(
             rows(qe, ix), rows(ke, ix), rows(ve, ix), is_causal=True, scale=scale, enable_gqa=gqa
         )
         outs = [out]
-        if self.suf_query is not None:
-            iq, ik = self.suf_query.to(q.device), self.suf_key.to(q.device)
+        for i, (iq, ik, _) in enumerate(self.suffix_calls):
+            iq, ik = iq.to(q.device), ik.to(q.device)
             outs.append(F.scaled_dot_product_attention(
-                rows(qe, iq), rows(ke, ik), rows(ve, ik), attn_mask=self._float_mask(q), scale=scale,
+                rows(qe, iq), rows(ke, ik), rows(ve, ik), attn_mask=self._float_mask(i, q), scale=scale,
                 enable_gqa=gqa,
             ))
         row = self.token_row.to(q.device)  # a gather of SDPA's outputs, which SDPA keeps itself

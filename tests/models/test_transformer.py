@@ -20,7 +20,9 @@ def _packed(ids_rows):
 
 
 @pytest.mark.parametrize("name", TINY)
-def test_logits_match_hf_padded_and_packed(name):
+def test_logits_match_hf_padded_and_packed(name, monkeypatch):
+    import tandem.models.attention as attention
+
     hf = load_model(name)
     nat = CausalLM.from_pretrained(resolve_model(name))
     ids = torch.randint(0, hf.config.vocab_size, (3, 24))
@@ -28,13 +30,18 @@ def test_logits_match_hf_padded_and_packed(name):
     with torch.no_grad():
         ref = hf(ids).logits
         flat, pos, ctx = _packed([ids[i, :n] for i, n in enumerate(lengths)])
+        bucketed = nat.logits(nat(flat, pos, ctx))  # by default: 7 and 13 padded to 13, 24 alone
+        monkeypatch.setattr(attention, "MAX_PADDED_CALLS", 1)  # one call padded to 24, as HF's batch
+        flat, pos, ctx = _packed([ids[i, :n] for i, n in enumerate(lengths)])
         got = nat.logits(nat(flat, pos, ctx))
+    assert len(ctx.calls) == 1
     tol = 0.0 if name != "tiny-qwen3-moe" else 1e-5  # HF's MoE sums in another order
     offset = 0
     for i, n in enumerate(lengths):
         diff = (got[offset : offset + n] - ref[i, :n]).abs().max().item()
         assert diff <= tol, (name, i, diff)
         offset += n
+    torch.testing.assert_close(bucketed, got, rtol=0, atol=1e-4)  # another padding, another float order
 
 
 def test_weights_round_trip_through_hf_folder(tmp_path):

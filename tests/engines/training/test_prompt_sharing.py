@@ -166,12 +166,56 @@ def test_the_suffix_mask_made_once_gives_the_bits_of_sdpa_s_own_conversion(dtype
     w = torch.randn(n, 4, 8, generator=gen).to(dtype)
     ctx = SharedPrefixAttention(layout)
     got = ctx.attend(0, *qkv, 0.3)
-    assert ctx._float_mask(qkv[0]) is ctx._float_mask(qkv[0])  # one tensor for every layer
+    assert ctx._float_mask(0, qkv[0]) is ctx._float_mask(0, qkv[0])  # one tensor for every layer
     grads = torch.autograd.grad((got * w).sum(), qkv)
-    monkeypatch.setattr(SharedPrefixAttention, "_float_mask", lambda self, q: self.suf_mask)  # SDPA converts
+    monkeypatch.setattr(SharedPrefixAttention, "_float_mask", lambda self, i, q: self.suffix_calls[i][2])  # SDPA converts
     ref = SharedPrefixAttention(layout).attend(0, *qkv, 0.3)
     ref_grads = torch.autograd.grad((ref * w).sum(), qkv)
     assert torch.equal(got, ref) and all(torch.equal(a, b) for a, b in zip(grads, ref_grads, strict=True))
+
+
+def test_length_buckets_partition_the_rows_and_pad_less():
+    from tandem.models.attention import _length_buckets
+
+    def area(q, k, calls):
+        return sum(len(c) * (max(q[i] for i in c) + max(k[i] for i in c)) for c in calls)
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(1, 200, (64,), generator=gen).tolist()
+    k = [x + 60 for x in q]
+    calls = _length_buckets(q, k)
+    assert sorted(sum(calls, [])) == list(range(64)) and 1 < len(calls) <= 4
+    assert area(q, k, calls) < 0.75 * area(q, k, [list(range(64))])
+    assert _length_buckets([10] * 8, [70] * 8) == [list(range(8))]  # equal lengths: one call
+    assert _length_buckets([3], [5]) == [[0]] and len(_length_buckets(q, k, 1)) == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_suffixes_split_by_length_give_what_one_call_gives(dtype, monkeypatch):
+    import tandem.models.attention as attention
+
+    prefixes = ((0, 6), (6 + 2 + 40 + 3 + 35, 4))
+    suffixes, cursor = [], 6
+    for s in (2, 40, 3, 35):
+        suffixes.append((cursor, s, 0))
+        cursor += s
+    cursor += 4
+    for s in (1, 30):
+        suffixes.append((cursor, s, 1))
+        cursor += s
+    layout = PrefixLayout(prefixes=prefixes, suffixes=tuple(suffixes), num_tokens=cursor)
+    gen = torch.Generator().manual_seed(5)
+    qkv = [torch.randn(cursor, h, 8, generator=gen, dtype=dtype, requires_grad=True) for h in (4, 2, 2)]
+    w = torch.randn(cursor, 4, 8, generator=gen, dtype=dtype)
+    results = []
+    for calls in (1, 4):
+        monkeypatch.setattr(attention, "MAX_PADDED_CALLS", calls)
+        ctx = SharedPrefixAttention(layout)
+        assert (len(ctx.suffix_calls) > 1) == (calls > 1)
+        out = ctx.attend(0, *qkv, 0.3)
+        results.append((out, *torch.autograd.grad((out * w).sum(), qkv)))
+    for a, b in zip(*results, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-12)
 
 
 def test_invariant_shared_prefix_attention_is_bit_identical_to_each_sequence():
