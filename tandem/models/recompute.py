@@ -35,7 +35,9 @@ _state = threading.local()  # .registry: the enclosing `recompute_saved`'s {stor
 
 
 class _Maker:
-    """How to compute one offered output again: ``fn(*inputs)``, with the output's geometry to check."""
+    """How to compute one offered output again: ``fn(*inputs)``, with the output's geometry to check. Keyed by
+    its storage's address, held through a weak reference: the entry goes when the output does, so no later tensor
+    at the same address is taken for it (empty outputs, address 0, are never offered)."""
 
     __slots__ = ("fn", "inputs", "ref", "size", "stride", "offset", "dtype", "version", "value", "__weakref__")
 
@@ -75,7 +77,7 @@ def offer(out: torch.Tensor, fn: Callable[..., torch.Tensor], *inputs) -> torch.
     computed again in backward; ``fn`` must give ``out``'s bits from ``inputs``, which autograd must keep anyway
     (else this costs memory rather than saving it). Outside: nothing. Returns ``out``."""
     registry = getattr(_state, "registry", None)
-    if registry is None or torch._C._is_torch_function_mode_enabled():  # a mode (the batch-invariant one) may
+    if registry is None or out.numel() == 0 or torch._C._is_torch_function_mode_enabled():  # a mode (the batch-invariant one) may
         return out  # change what the forward's ops computed: recomputed outside it, they might not agree
     key = out.untyped_storage().data_ptr()
     ref = weakref.ref(out, lambda _r, key=key, registry=registry: _forget(registry, key, _r))
@@ -100,8 +102,9 @@ def recompute_saved(enabled: bool = True) -> Iterator[None]:
 
     def pack(t: torch.Tensor):
         maker = registry.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
-        if maker is None or maker.ref() is None or maker.ref()._version != maker.version or t.dtype != maker.dtype:
-            return t
+        made = None if maker is None else maker.ref()
+        if made is None or made._version != maker.version or t.dtype != maker.dtype or t.device != made.device:
+            return t  # not offered, its maker gone (the registry entry with it), changed in place, or not alike
         return _Saved(maker, t)
 
     def unpack(saved):

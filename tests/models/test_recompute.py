@@ -154,3 +154,25 @@ def test_the_fsdp_engine_steps_to_the_same_gradients_with_it_on_and_off(setting,
         recomputed.clear()
     assert grads[0] and grads[0].keys() == grads[1].keys()
     assert all(torch.equal(grads[0][k], grads[1][k]) for k in grads[0])
+
+
+def test_the_peak_through_backward_is_lower_too():
+    """Recomputed values live only while their readers run backward: the step's peak falls with the forward's."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    model, ids, positions = _model()
+    peaks = {}
+    for on in (False, True):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            tracker = MemTracker()
+            tracker.track_external(model)
+            with tracker:
+                _forward(model, ids, positions, on).sum().backward()
+                peaks[on] = next(iter(tracker.get_tracker_snapshot("peak").values()))
+        model.zero_grad(set_to_none=True)
+    activations = {on: sum(v for k, v in p.items() if str(getattr(k, "value", k)) in ("Activation", "Temp"))
+                   for on, p in peaks.items()}
+    assert activations[True] < 0.85 * activations[False], activations
+    total = {on: sum(v for k, v in p.items() if str(getattr(k, "value", k)) == "Total") for on, p in peaks.items()}
+    assert total[True] < total[False], total  # gradients included: the peak moves, it does not grow
