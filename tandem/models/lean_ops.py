@@ -196,6 +196,17 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 # -- SwiGLU -------------------------------------------------------------------------------------------
 
 
+def _forward_silu():
+    """The SiLU ``F.silu`` stands for here: the batch-invariant mode's where it is active (it swaps ``F.silu``),
+    named so that a recomputation outside the mode (`tandem.models.recompute`) calls the same function."""
+    if torch._C._is_torch_function_mode_enabled():
+        from tandem.ops.batch_invariant import invariant_silu, is_batch_invariant
+
+        if is_batch_invariant():
+            return invariant_silu
+    return F.silu
+
+
 def _swiglu_with(silu_fn, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``silu_fn(a) * b``: the forward, and its recomputation with the SiLU the forward used (the
     batch-invariant mode's, where it is on)."""
@@ -207,7 +218,8 @@ class _SwiGLU(torch.autograd.Function):
     def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(a, b)
         ctx.kernels = _grad_lib()
-        return offer(_swiglu_with(F.silu, a, b), _swiglu_with, F.silu, a, b)
+        silu_fn = _forward_silu()
+        return offer(_swiglu_with(silu_fn, a, b), _swiglu_with, silu_fn, a, b)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):

@@ -14,8 +14,8 @@ it (q, k, v and their LoRA adapters read the same norm output); the value lives 
 run its backward. The recomputation calls the forward's own torch ops on the same inputs, so it gives the
 same bits and the gradients are unchanged (tests/models/test_recompute.py checks them bit for bit).
 
-Not substituted (kept as before): outputs made while a torch function mode is active (the deterministic
-mode's batch-invariant ops: a recomputation outside the mode might not give the same bits), a tensor modified in place after it was made, one whose maker is gone (the
+Not substituted (kept as before): outputs made while a torch function mode other than the deterministic mode's
+batch-invariant one is active (a recomputation outside it might not give the same bits), a tensor modified in place after it was made, one whose maker is gone (the
 registry holds weak references only), and anything saved inside an activation-checkpointed region, whose own
 saved-tensor hooks take precedence.
 """
@@ -77,12 +77,25 @@ def offer(out: torch.Tensor, fn: Callable[..., torch.Tensor], *inputs) -> torch.
     computed again in backward; ``fn`` must give ``out``'s bits from ``inputs``, which autograd must keep anyway
     (else this costs memory rather than saving it). Outside: nothing. Returns ``out``."""
     registry = getattr(_state, "registry", None)
-    if registry is None or out.numel() == 0 or torch._C._is_torch_function_mode_enabled():  # a mode (the batch-invariant one) may
-        return out  # change what the forward's ops computed: recomputed outside it, they might not agree
+    if registry is None or out.numel() == 0 or not _modes_known():
+        return out
     key = out.untyped_storage().data_ptr()
     ref = weakref.ref(out, lambda _r, key=key, registry=registry: _forget(registry, key, _r))
     registry[key] = _Maker(out, fn, inputs, ref)
     return out
+
+
+def _modes_known() -> bool:
+    """No torch function mode is active, or only the batch-invariant one (tandem.ops), which changes ``F.linear``
+    and ``F.silu`` alone: the offering functions call its SiLU themselves (`tandem.models.lean_ops`), so their
+    recomputation outside the mode gives the same bits. Any other mode might change what the forward's ops computed."""
+    if not torch._C._is_torch_function_mode_enabled():
+        return True
+    from torch.overrides import _get_current_function_mode_stack
+
+    from tandem.ops.batch_invariant import is_invariant_mode
+
+    return all(is_invariant_mode(m) for m in _get_current_function_mode_stack())
 
 
 def _forget(registry: dict, key: int, ref) -> None:

@@ -69,6 +69,7 @@ __all__ = [
     "invariant_linear",
     "invariant_silu",
     "is_batch_invariant",
+    "is_invariant_mode",
     "packed_attention",
     "padded_rows",
     "round_up",
@@ -229,6 +230,11 @@ def batch_invariant_mode(enabled: bool = True, *, packed: PackedWeights | None =
             yield
     finally:
         _state.depth = depth
+
+
+def is_invariant_mode(mode) -> bool:
+    """Whether ``mode`` (a torch function mode) is the one `batch_invariant_mode` enters."""
+    return isinstance(mode, _BatchInvariantMode)
 
 
 def is_batch_invariant() -> bool:

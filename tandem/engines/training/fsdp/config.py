@@ -146,9 +146,9 @@ class FSDPConfig:
     # built with the system's C compiler on first use); "torch" = torch ops; "auto" = native when it builds.
     # CPU and normal mode only (the deterministic mode keeps torch's); gradients ~1e-7 relative apart.
     pointwise_kernels: Literal["auto", "native", "torch"] = "auto"
-    # keep the RMSNorm and SwiGLU outputs that linear layers save for backward as how to compute them again
-    # (tandem/models/recompute.py): ~2,700 fewer floats per token and layer for SmolLM2 (a quarter of what a
-    # forward keeps), the same gradients bit for bit; native models, not inside the deterministic mode's ops
+    # keep the RMSNorm and SwiGLU outputs (and attention rows gathered from SDPA's output) that linear layers save for
+    # backward as how to compute them again (tandem/models/recompute.py): ~3,300 fewer floats per token and layer for
+    # SmolLM2, the same gradients bit for bit (deterministic mode included); native models
     recompute_pointwise: bool = True
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
