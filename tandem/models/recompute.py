@@ -50,7 +50,7 @@ class _Maker:
         if self.value is None:
             with torch.no_grad():
                 value = self.fn(*self.inputs)
-            if value.stride() != self.stride or value.storage_offset() != 0:
+            if value.stride() != self.stride or value.storage_offset() != 0:  # the layout the views were taken in
                 value = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=value.device).copy_(value)
             self.value = value
         return self.value
@@ -77,12 +77,19 @@ def offer(out: torch.Tensor, fn: Callable[..., torch.Tensor], *inputs) -> torch.
     computed again in backward; ``fn`` must give ``out``'s bits from ``inputs``, which autograd must keep anyway
     (else this costs memory rather than saving it). Outside: nothing. Returns ``out``."""
     registry = getattr(_state, "registry", None)
-    if registry is None or out.numel() == 0 or not _modes_known():
+    if registry is None or out.numel() == 0 or not _owns_its_storage(out) or not _modes_known():
         return out
     key = out.untyped_storage().data_ptr()
     ref = weakref.ref(out, lambda _r, key=key, registry=registry: _forget(registry, key, _r))
     registry[key] = _Maker(out, fn, inputs, ref)
     return out
+
+
+def _owns_its_storage(out: torch.Tensor) -> bool:
+    """``out`` is its storage, whole and contiguous: every tensor a pack hook finds at that address is a view of
+    ``out`` itself, never of other data sharing the storage."""
+    return (out.layout == torch.strided and out.storage_offset() == 0 and out.is_contiguous()
+            and out.untyped_storage().nbytes() == out.numel() * out.element_size())
 
 
 def _modes_known() -> bool:

@@ -197,3 +197,20 @@ def test_the_peak_through_backward_is_lower_too():
     assert activations[True] < 0.85 * activations[False], activations
     total = {on: sum(v for k, v in p.items() if str(getattr(k, "value", k)) == "Total") for on, p in peaks.items()}
     assert total[True] < total[False], total  # gradients included: the peak moves, it does not grow
+
+
+def test_only_outputs_that_are_their_whole_storage_are_taken():
+    from tandem.models import recompute
+
+    x = torch.randn(4, 6, requires_grad=True)
+    lin = torch.randn(3, 2, requires_grad=True)
+    with recompute_saved():
+        big = x * 2.0
+        part = big[:, :3]  # a slice of a larger storage: a view of other data could be saved at its address
+        recompute.offer(part, lambda t: t[:, :3] * 2.0, x)
+        assert not recompute._state.registry
+        whole = x * 3.0
+        recompute.offer(whole, lambda t: t * 3.0, x)
+        assert len(recompute._state.registry) == 1
+        (big[:, 3:] @ lin).sum().backward()
+    assert torch.equal(lin.grad, big[:, 3:].detach().sum(0)[:, None].expand(3, 2))
