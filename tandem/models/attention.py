@@ -53,14 +53,9 @@ class VarlenAttention:
         self.calls: list[torch.Tensor] = []  # per SDPA call: [S_i, L_i] flat token index, padded with n
         if not self.uniform:
             starts, lens = cu[:-1].tolist(), lengths.tolist()
-            rows = []
             for pick in _length_buckets(lens, lens, MAX_PADDED_CALLS):
                 self.calls.append(_gather_index([starts[i] for i in pick], [lens[i] for i in pick], n).to(cu.device))
-                rows.append(self.calls[-1].reshape(-1))
-            order = torch.cat(rows)  # flat token -> its row in cat(call outputs)
-            real = (order < n).nonzero(as_tuple=True)[0]
-            self.token_row = torch.empty(n, dtype=torch.long, device=cu.device)
-            self.token_row[order[real]] = real
+            self.token_row = _token_rows(self.calls, n)
 
     @classmethod
     def from_lengths(
@@ -86,6 +81,16 @@ class VarlenAttention:
                                                scale=scale, enable_gqa=gqa) for ix in self.calls]
         # the rows the output projection keeps are a gather of SDPA's outputs, which SDPA keeps itself
         return offer(_unpad_cat(self.token_row, *outs), _unpad_cat, self.token_row, *outs)
+
+
+def _token_rows(indices: Sequence[torch.Tensor], n: int) -> torch.Tensor:
+    """Flat token -> its row in the stacked outputs of calls over ``indices`` (``[S_i, L_i]`` flat token indices,
+    padded with ``n``)."""
+    order = torch.cat([ix.reshape(-1) for ix in indices])
+    real = (order < n).nonzero(as_tuple=True)[0]
+    token_row = torch.empty(n, dtype=torch.long, device=order.device)
+    token_row[order[real]] = real
+    return token_row
 
 
 def _rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
@@ -182,7 +187,6 @@ class SharedPrefixAttention:
         pre_starts = [s for s, _ in layout.prefixes]
         pre_lengths = [m for _, m in layout.prefixes]
         self.pre_index = _gather_index(pre_starts, pre_lengths, n)  # [G, Pmax]
-        rows = [self.pre_index.reshape(-1)]
         # the suffixes in up to MAX_PADDED_CALLS attention calls of similar lengths (`_length_buckets`): each
         # (query index [R, Smax], key index [R, Kmax], boolean mask [R, 1, Smax, Kmax])
         self.suffix_calls: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
@@ -195,12 +199,8 @@ class SharedPrefixAttention:
             for pick in _length_buckets(lengths.tolist(), (plen + lengths).tolist(), MAX_PADDED_CALLS):
                 call = self._suffix_call(starts[pick], lengths[pick], plen[pick], pstart[pick], n)
                 self.suffix_calls.append(call)
-                rows.append(call[0].reshape(-1))
         # flat token -> its row in cat(prefix outputs, suffix outputs)
-        order = torch.cat(rows)
-        real = (order < n).nonzero(as_tuple=True)[0]
-        self.token_row = torch.empty(n, dtype=torch.long)
-        self.token_row[order[real]] = real
+        self.token_row = _token_rows([self.pre_index, *(call[0] for call in self.suffix_calls)], n)
 
     @staticmethod
     def _suffix_call(starts, lengths, plen, pstart, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -233,16 +233,15 @@ class SharedPrefixAttention:
             raise ValueError(f"SharedPrefixAttention built for {self.num_tokens} tokens got {n}")
         gqa = hq != k.shape[1]
         qe, ke, ve = (torch.cat([x, x.new_zeros(1, *x.shape[1:])]) for x in (q, k, v))  # row n: padding
-        rows = _rows
         ix = self.pre_index.to(q.device)
         out = F.scaled_dot_product_attention(
-            rows(qe, ix), rows(ke, ix), rows(ve, ix), is_causal=True, scale=scale, enable_gqa=gqa
+            _rows(qe, ix), _rows(ke, ix), _rows(ve, ix), is_causal=True, scale=scale, enable_gqa=gqa
         )
         outs = [out]
         for i, (iq, ik, _) in enumerate(self.suffix_calls):
             iq, ik = iq.to(q.device), ik.to(q.device)
             outs.append(F.scaled_dot_product_attention(
-                rows(qe, iq), rows(ke, ik), rows(ve, ik), attn_mask=self._float_mask(i, q), scale=scale,
+                _rows(qe, iq), _rows(ke, ik), _rows(ve, ik), attn_mask=self._float_mask(i, q), scale=scale,
                 enable_gqa=gqa,
             ))
         row = self.token_row.to(q.device)  # a gather of SDPA's outputs, which SDPA keeps itself

@@ -3,9 +3,9 @@
 Autograd keeps the input of every linear layer for its weight gradient. Three of those inputs in a decoder
 layer are the outputs of cheap pointwise functions whose own inputs autograd keeps too: both RMSNorms' outputs
 (their inputs, the residual stream, and the per-row ``rsqrt`` are kept for the norm's backward) and SwiGLU's
-``silu(a) * b`` (``a`` and ``b`` are kept for SwiGLU's backward); the final norm's output is kept by the
-vocabulary projection in the same way. For SmolLM2-135M that is 2 x 576 + 1,536 of the 8,502 floats a training
-forward keeps per token and layer (tandem/models/lean_ops.py's functions, saved-tensor hooks counting).
+``silu(a) * b`` (``a`` and ``b`` are kept for SwiGLU's backward); where attention pads or gathers, the output
+projection keeps a gather of SDPA's output, which SDPA keeps itself (tandem/models/attention.py). For SmolLM2-135M
+that is 2 x 576 + 1,536 (+ 576) of the 8,502 floats a training forward kept per token and layer.
 
 Inside `recompute_saved`, those functions `offer` their output: a saved-tensor pack hook that is handed the
 output (or a view of it) stores how to compute it (the function and its inputs, all held by autograd already)
@@ -15,8 +15,8 @@ run its backward. The recomputation calls the forward's own torch ops on the sam
 same bits and the gradients are unchanged (tests/models/test_recompute.py checks them bit for bit).
 
 Not substituted (kept as before): outputs made while a torch function mode other than the deterministic mode's
-batch-invariant one is active (a recomputation outside it might not give the same bits), a tensor modified in place after it was made, one whose maker is gone (the
-registry holds weak references only), and anything saved inside an activation-checkpointed region, whose own
+batch-invariant one is active (a recomputation outside it might not give the same bits), a tensor modified in
+place after it was made, one whose maker is gone (the registry holds weak references only), and anything saved inside an activation-checkpointed region, whose own
 saved-tensor hooks take precedence.
 """
 
