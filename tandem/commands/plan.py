@@ -109,7 +109,8 @@ def _checked(args, arch, dev, wl, gpus):
     trainer = TrainerLayout(engine=args.trainer, gpus=tg, tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep,
                             etp=args.etp, offload=args.offload, activation_checkpointing=args.activation_checkpointing,
                             micro_batch_tokens=args.micro_batch_tokens or max(8192, wl.seq_len),
-                            replicate=args.hsdp_replicate)
+                            replicate=args.hsdp_replicate,
+                            recompute_pointwise=getattr(args, "recompute_pointwise", True))
     ep = args.inference_ep or (args.inference_tp if arch.moe else 1)
     replicas = args.replicas or max(1, rg // args.inference_tp)
     inference = InferenceLayout(engine=engine, tp=args.inference_tp, ep=ep, replicas=replicas,

@@ -22,6 +22,9 @@ from pathlib import Path
 __all__ = ["ARCHS", "Arch", "arch_from_hf_config", "resolve_arch"]
 
 
+QK_NORM_FAMILIES = ("qwen3", "qwen3_moe")  # RMSNorm on q and k per head before rotary
+
+
 @dataclass(frozen=True, slots=True)
 class Arch:
     """The shape of a decoder-only LM (dense or MoE; GQA or MLA attention)."""
@@ -114,6 +117,20 @@ class Arch:
         mlp = self.top_k * self.moe_intermediate + self.shared_intermediate if self.moe else self.intermediate
         kv = 2 * self.kv_heads * self.head_dim if not self.mla else self.kv_lora_rank + self.qk_rope_dim
         return 10 * self.hidden + kv + 4 * mlp + (self.experts if self.moe else 0)
+
+    def native_activation_width(self) -> int:
+        """Elements Tandem's FSDP engine keeps per token per layer on its native model with the saved outputs
+        recomputed (`trainer.fsdp.recompute_pointwise`, docs/training.md): the two norms' inputs, attention's
+        q, k, v and output (plus half of them again for padded and prompt-shared attention calls), the inputs
+        of q/k norms where the family has them, and the MLP's gate and up outputs. Measured on SmolLM2
+        (2026-12-06): 6,410 on GRPO rows with shared prompts, 5,823 on packed rows, against 6,528 here; tiny
+        llama / qwen3 models keep 636 / 738 (fp32) and 647 / 755 (bf16) against 672 / 768. MoE and MLA models
+        keep the conservative count (a tiny Qwen3-MoE's expert loop keeps more than this formula)."""
+        if self.mla or self.moe:
+            return self.activation_width()
+        q, kv = self.heads * self.head_dim, 2 * self.kv_heads * self.head_dim
+        attention = 2 * q + kv + (2 * q + kv) // 2 + (q + kv // 2 if self.family in QK_NORM_FAMILIES else 0)
+        return 2 * self.hidden + attention + 2 * self.intermediate
 
 
 def _a(name, family, layers, hidden, heads, kv, hd, inter, vocab, tied=False, **kw) -> Arch:

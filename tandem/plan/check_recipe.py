@@ -44,6 +44,7 @@ def apply_recipe(args: argparse.Namespace) -> None:
             quant = tr.lora.quantize_base if tr.lora is not None else None
             args.quantize_base = quant.format if quant is not None else None
             args.hsdp_replicate = tr.parallel.replicate
+            args.recompute_pointwise = tr.recompute_pointwise and tr.packing  # the native model's lean saving
         else:
             par = tr.parallel
             args.tp, args.pp, args.ep, args.etp = (par.tensor_parallel, par.pipeline_parallel, par.expert_parallel,

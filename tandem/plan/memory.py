@@ -91,6 +91,7 @@ class TrainerLayout:
     etp: int = 1
     offload: bool = False
     activation_checkpointing: bool = False
+    recompute_pointwise: bool = True  # FSDP: trainer.fsdp.recompute_pointwise (the native model keeps less)
     micro_batch_tokens: int = 8192
     replicate: int = 1  # FSDP: HSDP replicas (the state is sharded over gpus / replicate)
 
@@ -147,12 +148,20 @@ def _tokens_per_rank(wl: Workload, dp: int) -> int:
     return max(wl.seq_len, -(-wl.sequences * wl.seq_len // dp))
 
 
+def activation_width(arch: Arch, lay: TrainerLayout) -> int:
+    """Elements per token per layer a trainer keeps for backward: Tandem's FSDP engine on its native model with
+    the pointwise outputs recomputed keeps `Arch.native_activation_width`; anything else the conservative count."""
+    if lay.engine == "fsdp" and arch.native and not arch.moe and lay.recompute_pointwise:
+        return arch.native_activation_width()
+    return arch.activation_width()
+
+
 def _activations(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> tuple[float, float]:
     """(activation bytes, micro-batch tokens) of the micro-batch in flight on one GPU."""
     tokens = min(lay.micro_batch_tokens, _tokens_per_rank(wl, lay.dp)) / lay.cp
     b = _dtype_bytes(dev)
     layers = -(-arch.layers // lay.pp)
-    per_layer = arch.activation_width() * tokens * b / lay.tp
+    per_layer = activation_width(arch, lay) * tokens * b / lay.tp
     in_flight = min(lay.pp, max(1, _tokens_per_rank(wl, lay.dp) // max(1, lay.micro_batch_tokens)))
     if lay.activation_checkpointing:  # stored layer inputs per micro-batch in flight + one layer recomputed
         return in_flight * layers * tokens * arch.hidden * b / lay.tp + per_layer, tokens

@@ -209,6 +209,26 @@ def test_cli_check_reads_a_recipe(capsys):
     assert "FITS" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("setting", ["recompute_pointwise", "packing"])
+def test_cli_check_reads_the_trainer_path_that_keeps_more(tmp_path, capsys, setting):
+    """A recipe that turns off the recomputation of saved outputs (or packing: the HF model) is planned with the
+    conservative activation width."""
+    from pathlib import Path
+
+    from tandem.cli import main
+
+    recipe = Path(__file__).parents[2] / "recipes" / "smollm2-135m" / "addition-grpo.yaml"
+    changed = yaml.safe_load(recipe.read_text())
+    changed["trainer"]["fsdp"][setting] = False
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(changed))
+    acts = []
+    for path in (recipe, tmp_path / "r.yaml"):
+        assert main(["plan", "--check", "--recipe", str(path), "--json"]) == 0
+        acts.append(json.loads(capsys.readouterr().out)["memory_gib_per_gpu"]["trainer_items"]["activations"])
+    arch = resolve_arch("smollm2-135m-instruct")
+    assert acts[1] / acts[0] == pytest.approx(arch.activation_width() / arch.native_activation_width(), rel=0.01)
+
+
 def test_cli_check_plans_a_cpu_recipe_for_the_cpu(capsys):
     """Without ``--gpu-type``, a recipe whose run uses no GPU (the embedded engine on the CPU, the trainer
     following the machine) is judged on the CPU, a vLLM recipe on the default GPU, and a flag still wins."""
@@ -248,3 +268,46 @@ def test_offload_pays_host_copies_per_micro_batch_and_a_host_optimizer_step():
     assert p.fits and p.trainer.offload and p.trainer.micro_batch_tokens == 16384, p.trainer
     full = Workload(prompt_len=512, response_len=1024, prompts=4, samples=4)
     assert offload_time(arch, dev, full, lay)[1] == pytest.approx(arch.total_params() * 28 / 20e9, rel=0.01)
+
+
+def test_activation_width_follows_the_trainer_path():
+    """FSDP on the native model with the saved outputs recomputed keeps the lean width; Megatron, an MoE, a model
+    without a native implementation and a recipe that turns the recomputation (or packing) off keep the
+    conservative one."""
+    from tandem.plan.memory import activation_width
+
+    dense, moe = resolve_arch("Qwen/Qwen3-8B"), resolve_arch("qwen3-30b-a3b")
+    lean, full = dense.native_activation_width(), dense.activation_width()
+    assert lean < 0.6 * full
+    assert activation_width(dense, TrainerLayout()) == lean
+    assert activation_width(dense, TrainerLayout(recompute_pointwise=False)) == full
+    assert activation_width(dense, TrainerLayout(engine="megatron")) == full
+    assert activation_width(moe, TrainerLayout()) == moe.activation_width()
+    foreign = [a for a in ARCHS.values() if not a.native and not a.moe and not a.mla][0]
+    assert activation_width(foreign, TrainerLayout()) == foreign.activation_width()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_native_width_bounds_what_the_native_model_keeps(family, dtype):
+    """What a forward of Tandem's native model keeps for backward (recomputation on), per token and layer, is at
+    most the planner's native width and within 15% of it (tiny models; the vocabulary chunk and final norm counted
+    too)."""
+    import torch
+
+    from tandem.models.tiny import tiny_config
+    from tandem.models.transformer import CausalLM, TransformerArgs
+    from tandem.plan.archs import Arch
+    from tests.models.test_recompute import LENGTHS, _kept_bytes
+
+    args = TransformerArgs.from_hf_config(tiny_config(family, 256))
+    torch.manual_seed(0)
+    model = CausalLM(args).to(getattr(torch, dtype))
+    n = sum(LENGTHS)
+    ids = torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(k) for k in LENGTHS])
+    kept = _kept_bytes(model, ids, positions, True) / model.lm_head.weight.element_size() / n / args.num_layers
+    arch = Arch(name="tiny", family=family, layers=args.num_layers, hidden=args.hidden_size, heads=args.num_heads,
+                kv_heads=args.num_kv_heads, head_dim=args.head_dim, intermediate=args.intermediate_size, vocab=256,
+                native=True)
+    assert 0.85 * arch.native_activation_width() <= kept <= arch.native_activation_width(), kept
