@@ -39,21 +39,49 @@ class _Maker:
     its storage's address, held through a weak reference: the entry goes when the output does, so no later tensor
     at the same address is taken for it (empty outputs, address 0, are never offered)."""
 
-    __slots__ = ("fn", "inputs", "ref", "size", "stride", "offset", "dtype", "version", "value", "__weakref__")
+    __slots__ = ("fn", "inputs", "input_versions", "ref", "size", "stride", "offset", "dtype", "version", "value",
+                 "__weakref__")
 
     def __init__(self, out: torch.Tensor, fn: Callable[..., torch.Tensor], inputs: tuple, ref) -> None:
         self.fn, self.inputs, self.ref = fn, inputs, ref
+        self.input_versions = tuple(x._version if isinstance(x, torch.Tensor) else None for x in inputs)
         self.size, self.stride, self.offset = tuple(out.shape), out.stride(), out.storage_offset()
         self.dtype, self.version, self.value = out.dtype, out._version, None
 
     def compute(self) -> torch.Tensor:
         if self.value is None:
+            for x, version in zip(self.inputs, self.input_versions, strict=True):
+                if version is not None and x._version != version:  # what autograd would say of the saved output
+                    raise RuntimeError(
+                        f"one of the variables needed for gradient computation has been modified by an inplace "
+                        f"operation: an input {list(x.shape)} of {getattr(self.fn, '__name__', self.fn)} (whose output "
+                        f"backward computes again, tandem.models.recompute) is at version {x._version}; expected "
+                        f"version {version} instead")
             with torch.no_grad():
                 value = self.fn(*self.inputs)
             if value.stride() != self.stride or value.storage_offset() != 0:  # the layout the views were taken in
                 value = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=value.device).copy_(value)
             self.value = value
         return self.value
+
+
+class _Kept:
+    """A saved tensor kept as it is, with its version: autograd skips its own in-place check on tensors that
+    saved-tensor hooks handle, so `unpack` makes it."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor, self.version = t, t._version
+
+    def unpack(self) -> torch.Tensor:
+        t = self.tensor
+        if t._version != self.version:
+            raise RuntimeError(
+                f"one of the variables needed for gradient computation has been modified by an inplace operation: "
+                f"[{t.type()} {list(t.shape)}] is at version {t._version}; expected version {self.version} instead "
+                f"(saved inside tandem.models.recompute.recompute_saved)")
+        return t
 
 
 class _Saved:
@@ -77,12 +105,21 @@ def offer(out: torch.Tensor, fn: Callable[..., torch.Tensor], *inputs) -> torch.
     computed again in backward; ``fn`` must give ``out``'s bits from ``inputs``, which autograd must keep anyway
     (else this costs memory rather than saving it). Outside: nothing. Returns ``out``."""
     registry = getattr(_state, "registry", None)
-    if registry is None or out.numel() == 0 or not _owns_its_storage(out) or not _modes_known():
+    if (registry is None or out.numel() == 0 or out.is_inference() or not _plain(out) or not _owns_its_storage(out)
+            or not _modes_known()):
         return out
     key = out.untyped_storage().data_ptr()
     ref = weakref.ref(out, lambda _r, key=key, registry=registry: _forget(registry, key, _r))
     registry[key] = _Maker(out, fn, inputs, ref)
     return out
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A strided tensor with storage of its own (not a wrapper subclass such as DTensor, whose storage is not its
+    data)."""
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return t.layout == torch.strided and not is_traceable_wrapper_subclass(t)
 
 
 def _owns_its_storage(out: torch.Tensor) -> bool:
@@ -121,14 +158,17 @@ def recompute_saved(enabled: bool = True) -> Iterator[None]:
     registry: dict[int, _Maker] = {}
 
     def pack(t: torch.Tensor):
-        maker = registry.get(t.untyped_storage().data_ptr()) if t.layout == torch.strided else None
+        if t.is_inference():
+            return t  # no version counter (autograd does not save these for a backward anyway)
+        maker = registry.get(t.untyped_storage().data_ptr()) if registry and _plain(t) else None
         made = None if maker is None else maker.ref()
-        if made is None or made._version != maker.version or t.dtype != maker.dtype or t.device != made.device:
-            return t  # not offered, its maker gone (the registry entry with it), changed in place, or not alike
+        if (made is None or made._version != maker.version or t.dtype != maker.dtype or t.device != made.device
+                or t.is_neg() or t.is_conj()):
+            return _Kept(t)  # not offered, its maker gone (the registry entry with it), changed in place, not alike
         return _Saved(maker, t)
 
     def unpack(saved):
-        return saved.unpack() if isinstance(saved, _Saved) else saved
+        return saved.unpack() if isinstance(saved, _Kept | _Saved) else saved
 
     previous = getattr(_state, "registry", None)
     _state.registry = registry

@@ -214,3 +214,41 @@ def test_only_outputs_that_are_their_whole_storage_are_taken():
         assert len(recompute._state.registry) == 1
         (big[:, 3:] @ lin).sum().backward()
     assert torch.equal(lin.grad, big[:, 3:].detach().sum(0)[:, None].expand(3, 2))
+
+
+@pytest.mark.parametrize("case", ["saved result", "maker input"])
+def test_an_in_place_change_of_what_backward_needs_still_raises(case):
+    """Autograd skips its in-place check on tensors its saved-tensor hooks handle: the block makes it itself, for a
+    tensor kept as it is (exp's result) and for an input an offered output is computed again from."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 8, generator=g, requires_grad=True)
+    w = torch.randn(8, generator=g, requires_grad=True)
+    lin = torch.randn(8, 3, generator=g, requires_grad=True)
+    with recompute_saved():
+        if case == "saved result":
+            h = x.exp()
+            loss = h.sum()
+            h.mul_(2.0)
+        else:
+            x2 = x * 1.0
+            loss = (rms_norm(x2, w, 1e-6) @ lin).square().sum()
+            x2.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(loss, [x])
+
+
+def test_inference_mode_and_wrapper_subclasses_inside_the_block():
+    """An inference-mode forward offers nothing (its tensors have no version), and a wrapper tensor subclass saved
+    in the block is kept as it is (its storage is not its data)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    q = torch.randn(5, 2, 4)
+    with recompute_saved(), torch.inference_mode():
+        out = VarlenAttention.from_lengths([2, 3]).attend(0, q, q, q, 0.5)
+    assert out.shape == (5, 2, 4) and torch.isfinite(out).all()
+    a = torch.randn(3)
+    t = TwoTensor(a.clone(), a.clone()).requires_grad_()
+    with recompute_saved():
+        y = (t * t).sum()
+    y.backward()
+    assert torch.equal(t.grad.a, 2 * a)
