@@ -28,6 +28,7 @@ import weakref
 from collections.abc import Callable, Iterator
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["offer", "recompute_saved"]
 
@@ -117,8 +118,6 @@ def offer(out: torch.Tensor, fn: Callable[..., torch.Tensor], *inputs) -> torch.
 def _plain(t: torch.Tensor) -> bool:
     """A strided tensor with storage of its own (not a wrapper subclass such as DTensor, whose storage is not its
     data)."""
-    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-
     return t.layout == torch.strided and not is_traceable_wrapper_subclass(t)
 
 

@@ -151,7 +151,7 @@ def _tokens_per_rank(wl: Workload, dp: int) -> int:
 def activation_width(arch: Arch, lay: TrainerLayout) -> int:
     """Elements per token per layer a trainer keeps for backward: Tandem's FSDP engine on its native model with
     the pointwise outputs recomputed keeps `Arch.native_activation_width`; anything else the conservative count."""
-    if lay.engine == "fsdp" and arch.native and not arch.moe and lay.recompute_pointwise:
+    if lay.engine == "fsdp" and arch.native and lay.recompute_pointwise:  # (MoE, MLA: conservative there too)
         return arch.native_activation_width()
     return arch.activation_width()
 
