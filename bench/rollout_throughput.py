@@ -184,7 +184,7 @@ def decode_roofline(engine: TorchEngine, prompts: list[list[int]], new_tokens: i
     attn_flops = 4 * b * args.num_layers * args.num_heads * args.head_dim * keys
     size = torch.empty((), dtype=dtype).element_size()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_bytes = 2 * b * args.num_layers * args.num_kv_heads * args.head_dim * keys * engine.cache.k.element_size()
+    kv_bytes = 2 * b * args.num_layers * args.num_kv_heads * args.head_dim * keys * engine.cache.k[0].element_size()
     roof = max((linear_flops + attn_flops) / peak, (weight_bytes + kv_bytes) / read_bps)
     dt = str(dtype).removeprefix("torch.")
     print(f"{dt:<5} {b:>2} seqs: decode step {1e3 * measured:.1f} ms; roofline {1e3 * roof:.1f} ms (compute "

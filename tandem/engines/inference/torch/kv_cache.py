@@ -1,7 +1,11 @@
 """The preallocated KV cache and the attention context of one engine step.
 
-The cache holds ``num_slots`` sequence slots per layer, ``k, v [layers, slots, Hkv, slot_len, D]``.
-A sequence owns one slot while it runs and its keys sit contiguously at positions ``0 .. len - 1``,
+The cache holds ``num_slots`` sequence slots per layer: ``k[layer], v[layer]`` are ``[slots, Hkv, slot_len,
+D]`` tensors, one pair per layer rather than one ``[layers, ...]`` block, so that a colocated engine's
+`wake_up` can place them in the memory a training step just freed: the host allocator (tcmalloc) keeps
+that memory as spans of a few MiB to tens of MiB between the step's long-lived tensors, and two
+141 MB blocks (SmolLM2, 64 slots of 96 tokens) fit in none of them, so the heap grew by their size at the
+first wake-up after training (measured on the LoRA recipe, docs/benchmarks.md). A sequence owns one slot while it runs and its keys sit contiguously at positions ``0 .. len - 1``,
 so decode attention over a range of slots reads the cache in place (a strided view, no gather): on a
 CPU the step is bound by memory traffic, and a paged layout would have to copy every key each step.
 
@@ -30,7 +34,8 @@ SMALL_CHUNK = 16  # prompt/verification chunks of at most this many rows take `_
 
 
 class KVCache:
-    """``k, v [layers, num_slots, Hkv, slot_len, D]``, allocated once (zeros); `release` frees it."""
+    """``k[layer], v[layer]``: ``[num_slots, Hkv, slot_len, D]`` per layer (module docstring), allocated once
+    (zeros); `release` frees them."""
 
     def __init__(
         self,
@@ -46,8 +51,8 @@ class KVCache:
         self.shape = (num_layers, num_slots, num_kv_heads, slot_len, head_dim)
         self.dtype, self.device = dtype, torch.device(device)
         self.num_slots, self.slot_len = num_slots, slot_len
-        self.k: torch.Tensor | None = None
-        self.v: torch.Tensor | None = None
+        self.k: list[torch.Tensor] | None = None
+        self.v: list[torch.Tensor] | None = None
         self.allocate()
 
     @property
@@ -63,8 +68,9 @@ class KVCache:
 
     def allocate(self) -> None:
         if self.k is None:
-            self.k = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
-            self.v = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            layer = self.shape[1:]
+            self.k = [torch.zeros(layer, dtype=self.dtype, device=self.device) for _ in range(self.shape[0])]
+            self.v = [torch.zeros(layer, dtype=self.dtype, device=self.device) for _ in range(self.shape[0])]
 
     def release(self) -> None:
         self.k = self.v = None
@@ -74,8 +80,9 @@ class KVCache:
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
         """Copy the keys/values of positions ``0 .. length - 1`` of every layer to another slot."""
         if length > 0:
-            self.k[:, dst_slot, :, :length] = self.k[:, src_slot, :, :length]
-            self.v[:, dst_slot, :, :length] = self.v[:, src_slot, :, :length]
+            for k, v in zip(self.k, self.v):
+                k[dst_slot, :, :length] = k[src_slot, :, :length]
+                v[dst_slot, :, :length] = v[src_slot, :, :length]
 
 
 @dataclass(slots=True)
