@@ -42,7 +42,7 @@ GPU_ENGINE_OVERHEAD = 4.0 * GIB  # vLLM / SGLang CUDA graphs, activations, commu
 GPU_ASLEEP_RESIDUAL = 1.5 * GIB  # what a sleeping side keeps on the GPU (context, small buffers)
 CPU_PROCESS_BASE = 0.5 * GIB  # python + torch + transformers + tokenizer before the engines: measured 0.45 GiB in a
 # long-used venv and ~0.55 GiB in a fresh one with the same packages (`make test` in a fresh clone; cause not found)
-LOGPROB_CHUNK = 512  # FSDPConfig.logprob_chunk default
+LOGPROB_CHUNK = 256  # FSDPConfig.logprob_chunk default
 # bytes per weight of a QLoRA base (`tandem.kernels` formats, default block/group sizes, on a 1536 x 576 weight):
 # FP8 codes + one fp32 scale per 128 x 128 block; MXFP8 + one e8m0 scale per 32; INT4 two per byte + an fp32 scale
 # (and a uint8 zero point for asym) per group of 128 of a row

@@ -7,7 +7,7 @@ import torch
 
 from tandem.models import load_model, resolve_model
 from tandem.models.attention import MoERouting, VarlenAttention
-from tandem.models.logprobs import token_logprobs
+from tandem.models.logprobs import logprobs_from_hidden, logsumexp_, token_logprobs
 from tandem.models.transformer import CausalLM, TransformerArgs, UnsupportedModelError
 
 TINY = ["tiny-llama", "tiny-qwen2", "tiny-qwen3", "tiny-qwen3-moe"]
@@ -97,6 +97,35 @@ def test_chunked_logprobs_values_and_grads(temperature, with_entropy):
     gh, gw = torch.autograd.grad(obj, (hidden, weight))
     torch.testing.assert_close(gh, ref_gh, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(gw, ref_gw, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, vocab", [(1, 49152), (37, 49152), (64, 151936), (5, 7), (33, 1000)])
+def test_in_place_logsumexp_gives_torch_bits(rows, vocab):
+    """The log-prob head computes logsumexp in its logits buffer (one [n, V] temporary fewer); the engine's
+    sampler uses torch.logsumexp: both must give the same bits, or the exact contract breaks."""
+    torch.manual_seed(rows)
+    for scale in (0.01, 1.0, 30.0):
+        z = torch.randn(rows, vocab) * scale
+        assert torch.equal(logsumexp_(z.clone()), torch.logsumexp(z, dim=-1))
+    z = torch.full((2, 4), float("-inf"))
+    z[1] = torch.tensor([0.0, float("inf"), 1.0, 2.0])
+    assert torch.equal(logsumexp_(z.clone()), torch.logsumexp(z, dim=-1))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunk_stats_bits_match_the_plain_formula(temperature):
+    """log p, entropy and logsumexp of a chunk: bit for bit what the out-of-place formula gives."""
+    torch.manual_seed(3)
+    hidden, weight = torch.randn(40, 64), torch.randn(3000, 64) * 0.3
+    targets = torch.randint(0, 3000, (40,))
+    z = torch.nn.functional.linear(hidden, weight) / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    ref_lp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    logp_all = z - lse[:, None]
+    ref_ent = -(logp_all.exp() * logp_all).sum(-1)
+    lp, ent = token_logprobs(hidden, weight, targets, temperature=temperature, chunk_size=16, with_entropy=True)
+    assert torch.equal(lp, ref_lp) and torch.equal(ent, ref_ent)
+    assert torch.equal(logprobs_from_hidden(hidden, weight, targets, temperature), ref_lp)
 
 
 def test_forward_with_targets_trains_and_matches_full_logits():
