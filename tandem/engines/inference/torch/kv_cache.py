@@ -80,7 +80,7 @@ class KVCache:
     def copy_prefix(self, src_slot: int, dst_slot: int, length: int) -> None:
         """Copy the keys/values of positions ``0 .. length - 1`` of every layer to another slot."""
         if length > 0:
-            for k, v in zip(self.k, self.v):
+            for k, v in zip(self.k, self.v, strict=True):
                 k[dst_slot, :, :length] = k[src_slot, :, :length]
                 v[dst_slot, :, :length] = v[src_slot, :, :length]
 
