@@ -71,9 +71,8 @@ def logsumexp_(z: torch.Tensor) -> torch.Tensor:
 
 def _chunk_stats(h, weight, targets, temperature, with_entropy):
     """The one formula every engine uses for returned log-probs (F.linear so invariant modes apply):
-    ``(log p [n], entropy [n] or None, logsumexp [n])``. One ``[n, V]`` buffer without entropy, two with:
-    the log-prob head runs at the end of a training forward, when every activation is held, so a second
-    buffer there was on the step's peak (96 MiB for 512 rows of SmolLM2's vocabulary)."""
+    ``(log p [n], entropy [n] or None, logsumexp [n])``. One ``[n, V]`` buffer without entropy, two with (the
+    head runs at the end of a training forward, while every activation is held)."""
     z = F.linear(h, weight).float()
     if temperature != 1.0:
         z.div_(temperature)  # z is F.linear's fresh output: in place, the same bits as z / temperature

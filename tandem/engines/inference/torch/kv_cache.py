@@ -5,7 +5,9 @@ D]`` tensors, one pair per layer rather than one ``[layers, ...]`` block, so tha
 `wake_up` can place them in the memory a training step just freed: the host allocator (tcmalloc) keeps
 that memory as spans of a few MiB to tens of MiB between the step's long-lived tensors, and two
 141 MB blocks (SmolLM2, 64 slots of 96 tokens) fit in none of them, so the heap grew by their size at the
-first wake-up after training (measured on the LoRA recipe, docs/benchmarks.md). A sequence owns one slot while it runs and its keys sit contiguously at positions ``0 .. len - 1``,
+first wake-up after training (measured on the LoRA recipe, docs/benchmarks.md).
+
+A sequence owns one slot while it runs and its keys sit contiguously at positions ``0 .. len - 1``,
 so decode attention over a range of slots reads the cache in place (a strided view, no gather): on a
 CPU the step is bound by memory traffic, and a paged layout would have to copy every key each step.
 
