@@ -16,8 +16,8 @@ same bits and the gradients are unchanged (tests/models/test_recompute.py checks
 
 Not substituted (kept as before): outputs made while a torch function mode other than the deterministic mode's
 batch-invariant one is active (a recomputation outside it might not give the same bits), a tensor modified in
-place after it was made, one whose maker is gone (the registry holds weak references only), and anything saved inside an activation-checkpointed region, whose own
-saved-tensor hooks take precedence.
+place after it was made, one whose maker is gone (the registry holds weak references only), and anything saved
+inside an activation-checkpointed region, whose own saved-tensor hooks take precedence.
 """
 
 from __future__ import annotations
