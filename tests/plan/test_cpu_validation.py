@@ -54,14 +54,17 @@ def _smollm2_colocated(micro_batch_tokens: int, ckpt: bool) -> float:
 
 # The plan holds for the recipe's longest rows (64 prompt + 32 response tokens, 2,048-token micro-batches); the
 # measured runs trained on shorter ones (~45 + ~20 tokens, one micro-batch of ~1,650 with shared prompts) and free
-# the KV cache while the trainer steps, so a plan reads above them: never below a measured peak, at most 40% above.
-LOW, HIGH = 0.95, 1.4
+# the KV cache while the trainer steps, so a plan reads above them: never below a measured peak, at most 45% above
+# (40% until 2026-12-06, session 5: bounding oneDNN's shape caches took 65-125 MiB off the measured peaks, memory
+# the plan never counted; QLoRA's plan now reads 1.41x its run).
+LOW, HIGH = 0.95, 1.45
 
 
-@pytest.mark.parametrize("ckpt,measured_mib", [(False, 4120), (True, 3666)])
+@pytest.mark.parametrize("ckpt,measured_mib", [(False, 4053), (True, 3666)])
 def test_smollm2_colocated_peak_bounds_bench_lora(ckpt, measured_mib):
-    # docs/benchmarks.md, "LoRA and QLoRA" (tcmalloc, medians of 3): full fine-tuning peak RSS 4,120 MiB (2026-12-06,
-    # session 4: per-layer KV cache, 256-row log-prob chunks); with activation checkpointing 3,666 (2026-12-05, later)
+    # docs/benchmarks.md, "LoRA and QLoRA" (tcmalloc, medians of 3): full fine-tuning peak RSS 4,053 MiB (2026-12-06,
+    # session 5: per-layer KV cache, 256-row log-prob chunks, oneDNN's caches bounded); with activation checkpointing
+    # 3,666 (2026-12-05, later)
     planned = _smollm2_colocated(2048, ckpt) / 2**20
     assert LOW <= planned / measured_mib <= HIGH, planned
 
@@ -105,10 +108,10 @@ def test_plan_recipe_two_ranks_runs_on_ray(tmp_path):
     assert len([r for r in rows if "train/loss" in r]) == 2
 
 
-@pytest.mark.parametrize("recipe,measured_mib", [("addition-grpo-lora.yaml", 2484.0), ("addition-grpo.yaml", 4120.0),
-                                                  ("addition-grpo-qlora.yaml", 2281.0)])
+@pytest.mark.parametrize("recipe,measured_mib", [("addition-grpo-lora.yaml", 2419.0), ("addition-grpo.yaml", 4053.0),
+                                                  ("addition-grpo-qlora.yaml", 2158.0)])
 def test_smollm2_lora_and_full_recipes_against_bench_lora(capsys, recipe, measured_mib):
-    # docs/benchmarks.md, "LoRA and QLoRA", 2026-12-06 (session 4): peak RSS under tcmalloc, medians of 3. The LoRA
+    # docs/benchmarks.md, "LoRA and QLoRA", 2026-12-06 (session 5): 3-step peak RSS under tcmalloc, medians of 3. The LoRA
     # process holds one base: the engine serves the trainer's frozen tensors (sync.share_frozen_base), which the
     # plan counts (no engine weights, packed copies freed while the trainer steps).
     from pathlib import Path
