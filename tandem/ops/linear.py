@@ -37,7 +37,7 @@ the shape: a decode step of 37 sequences and one of 38 are two primitives per we
 prefill of a new total length is another. PyTorch keeps them in two LRU caches of 1,024 entries each
 (ideep's descriptors, per thread, ``LRU_CACHE_CAPACITY``; oneDNN's primitives, ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``),
 and one entry costs ~0.6 MiB here (two ~250 KB brgemm descriptors and the kernel), so an engine whose batch
-sizes and prompt lengths vary grows by up to ~1 GiB before the caches evict (measured: +0.65 MiB per new row
+sizes and prompt lengths vary grows by up to ~0.6 GiB before the caches evict (measured: +0.65 MiB per new row
 count, 600 row counts of one weight shape +353 MiB; SmolLM2's engine +366 MiB of live heap over 60 varied
 batches, still growing). Importing ``tandem`` sets both capacities to ``tandem.ONEDNN_CACHE_CAPACITY`` (64)
 unless the environment already names them: the same engine stays flat (+0 MiB from batch 5 to 60) and takes
