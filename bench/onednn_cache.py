@@ -51,7 +51,9 @@ def _memory() -> tuple[float, float | None]:
     """(RSS MiB, tcmalloc's allocated MiB or None under another allocator)."""
     import ctypes
 
-    rss = int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) / 1024
+    from tandem.runtime.metrics import process_metrics
+
+    rss = process_metrics()["sys/rss_mib"]
     try:
         value = ctypes.c_size_t(0)
         fn = ctypes.CDLL(None).MallocExtension_GetNumericProperty
