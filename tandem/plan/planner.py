@@ -5,7 +5,8 @@ Choices and their reasons:
 
 * trainer: FSDP2 for dense models and small MoEs (no model parallelism to tune; Tandem's native model
   packs sequences); Megatron when an MoE has >= 20B parameters (expert parallelism) or when FSDP needs more
-  than its memory allows without offload. LoRA runs on FSDP only (Tandem's Megatron engine has no LoRA).
+  than its memory allows without offload. LoRA is planned on FSDP only: the Megatron engine trains LoRA too
+  (dense models, megatron/lora.py), but the memory model here does not cover its adapters.
   Within an engine the smallest model-parallel size that fits wins (more data parallelism, less
   communication); offload and CPU optimizers come last.
 * rollout: the embedded engine on a CPU; vLLM on GPUs (SGLang is judged in `check`, not chosen). TP is the smallest that leaves KV room for `MIN_CONCURRENCY` sequences (or all of a
@@ -303,7 +304,7 @@ def _disaggregated(arch, dev, wl, gpus) -> Plan | None:
 def _explain(p: Plan) -> None:
     t, i, a = p.trainer, p.inference, p.arch
     if t.engine == "fsdp":
-        p.why.append("trainer fsdp: " + ("LoRA trains on FSDP only" + (
+        p.why.append("trainer fsdp: " + ("LoRA is planned on FSDP only" + (
                      f", its frozen base's linear weights in {p.workload.quantize_base} on every rank (QLoRA)"
                      if p.workload.quantize_base else "") if p.workload.lora_rank else
                      "the sharded state fits without model parallelism" if not t.offload else

@@ -221,3 +221,18 @@ def test_megatron_trainer_in_the_loop(tmp_path):
     assert any(not torch.equal(before[k], after[k]) for k in before)
     eng = _engine_weights(run)
     assert all(torch.equal(eng[k], after[k]) for k in after)
+
+
+def test_megatron_lora_trainer_in_the_loop_syncs_adapters_only(tmp_path):
+    pytest.importorskip("megatron.core")
+    run = Run(_cfg("trainer.engine=megatron", "run.steps=2", "sync.lora_mode=adapter",
+                   "trainer.megatron.lora={rank: 4, alpha: 8.0, target_modules: [q_proj, v_proj, down_proj]}"), tmp_path)
+    assert run.trainer.config.lora.sync == "adapter" and run.engine.config.lora_alpha == 8.0  # filled by the run
+    before = _weights(run)
+    assert before and all(".lora_" in k for k in before)  # the adapters alone travel
+    run.train(close=False)
+    rows = read_metrics(tmp_path)
+    after = _weights(run)
+    run.close()
+    assert len(rows) == 2 and all(r["train_rollout_logprob_abs_diff/mean"] < 1e-4 for r in rows)
+    assert any(not torch.equal(before[k], after[k]) for k in before)

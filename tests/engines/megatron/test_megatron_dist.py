@@ -2,7 +2,8 @@
 
 One spawn runs tensor parallelism (TP 2, untied Qwen2 and tied Llama), pipeline parallelism (PP 2),
 data parallelism (plain and with the ZeRO-sharded optimizer), expert parallelism (EP 2 on the tiny
-MoE), two checkpoint resumes and a NaN on one rank. The parent runs each model on one rank (TP 1).
+MoE), LoRA under TP 2 and PP 2, two checkpoint resumes and a NaN on one rank. The parent runs each model
+on one rank (TP 1).
 """
 
 from __future__ import annotations
@@ -42,14 +43,14 @@ def single_process():
     """The same two steps (`workers.two_steps`) on one rank, per model; computed once."""
     cache: dict[str, dict] = {}
 
-    def run(model: str, dtype: str) -> dict:
-        if (model, dtype) not in cache:
-            engine = MegatronEngine(workers.config(model, dtype=dtype))
+    def run(model: str, dtype: str, lora: bool) -> dict:
+        if (model, dtype, lora) not in cache:
+            engine = MegatronEngine(workers.config(model, dtype=dtype, lora=lora))
             try:
-                cache[model, dtype] = workers.two_steps(engine)
+                cache[model, dtype, lora] = workers.two_steps(engine)
             finally:
                 engine.close()
-        return cache[model, dtype]
+        return cache[model, dtype, lora]
 
     return run
 
@@ -57,7 +58,7 @@ def single_process():
 @pytest.mark.parametrize("case", list(workers.CASES))
 def test_parallel_step_equals_single_process(spawned, single_process, case):
     model, parallel = workers.CASES[case]
-    ref = single_process(model, parallel.get("dtype", "float32"))
+    ref = single_process(model, parallel.get("dtype", "float32"), parallel.get("lora", False))
     for rank in spawned:
         got = rank[case]
         if case.startswith(("dp2", "ep2")):
@@ -74,6 +75,9 @@ def test_parallel_step_equals_single_process(spawned, single_process, case):
                 )
             assert mine["train/skipped_step"] == 0.0
         assert max_abs_diff(got["weights"], ref["weights"]) < 1e-6, case
+        if parallel.get("lora"):  # the export is the adapters alone, and the steps moved B off its zeros
+            assert all(".lora_" in n for n in got["weights"])
+            assert min(float(t.abs().max()) for n, t in got["weights"].items() if "lora_B" in n) > 0
         rows = got["rows"]
         width = got["logp"].shape[1]
         assert (got["logp"] - ref["logp"][rows, :width]).abs().max() < 1e-5, case

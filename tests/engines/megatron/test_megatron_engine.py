@@ -306,9 +306,7 @@ def test_config_loads_from_a_recipe_mapping():
     assert cfg.parallel.tensor_parallel == 2 and cfg.optimizer.betas == (0.9, 0.95)
     with pytest.raises(ConfigError, match=r"parallel.tensor_parallel=0 must be >= 1"):
         from_dict(MegatronConfig, {"parallel": {"tensor_parallel": 0}})
-    # LoRA is FSDP-only for now: the refusal says what Megatron lacks and where LoRA runs
-    with pytest.raises(ConfigError, match=r"LoRA is not implemented on the Megatron engine.*trainer.engine: fsdp"):
-        from_dict(MegatronConfig, {"model": {"name": "tiny-qwen3"}, "lora": {"rank": 8}})
+    # LoRA's section (and what it refuses): test_megatron_lora.py
 
 
 # -- CPU shims ---------------------------------------------------------------------------------------

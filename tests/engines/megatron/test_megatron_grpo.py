@@ -19,7 +19,13 @@ from tandem.core.advantages import AdvantageConfig, compute_advantages  # noqa: 
 from tandem.core.batch import TrainBatch  # noqa: E402
 from tandem.core.losses import PolicyLossConfig, build_loss_fn  # noqa: E402
 from tandem.engines.inference.torch import TorchEngine, TorchEngineConfig  # noqa: E402
-from tandem.engines.training.megatron import MegatronConfig, MegatronEngine, OptimizerConfig  # noqa: E402
+from tandem.engines.training.megatron import (  # noqa: E402
+    LoRAConfig,
+    MegatronConfig,
+    MegatronEngine,
+    MegatronRefConfig,
+    OptimizerConfig,
+)
 from tandem.models import ModelConfig, load_tokenizer  # noqa: E402
 from tandem.rollout.data import PromptRecord  # noqa: E402
 from tandem.rollout.functions import generate_groups  # noqa: E402
@@ -36,15 +42,22 @@ def _reward(sample) -> float:
     return sum(t % 2 == 0 for t in response) / max(len(response), 1)
 
 
-def test_two_grpo_steps_with_weight_sync():
+@pytest.mark.parametrize("lora", [None, LoRAConfig(rank=4, alpha=8.0, sync="adapter",
+                                                    target_modules=("q_proj", "v_proj", "o_proj", "down_proj"))],
+                         ids=["full", "lora-adapter-sync"])
+def test_two_grpo_steps_with_weight_sync(lora):
+    """Full weights, or (LoRA) the adapters alone under peft's names, loaded by the engine's `load_lora_adapter`."""
     tokenizer = load_tokenizer(MODEL.name)
-    inference = TorchEngine(TorchEngineConfig(model=MODEL, max_model_len=64, seed=0))
+    # the engine serves adapters of the trainer's alpha (a run fills it in: tandem.engines.registry.adapter_changes)
+    inference = TorchEngine(TorchEngineConfig(model=MODEL, max_model_len=64, seed=0,
+                                              lora_alpha=lora.alpha if lora else None))
     trainer = MegatronEngine(
         MegatronConfig(
-            model=MODEL, temperature=TEMPERATURE, micro_batch_tokens=96, optimizer=OptimizerConfig(lr=3e-3)
+            model=MODEL, temperature=TEMPERATURE, micro_batch_tokens=96, optimizer=OptimizerConfig(lr=3e-3),
+            lora=lora, ref=MegatronRefConfig() if lora else None,  # LoRA's reference: the base
         )
     )
-    sync = InProcessSync(inference, verify=True)  # hashes the engine's weights after each update
+    sync = InProcessSync(inference, verify=lora is None)  # hashes the engine's full weights after each update
     g = torch.Generator().manual_seed(0)
     prompts = [
         PromptRecord(index=i, prompt="", prompt_token_ids=torch.randint(3, 500, (n,), generator=g).tolist())
@@ -52,7 +65,7 @@ def test_two_grpo_steps_with_weight_sync():
     ]
     sampling = SamplingConfig(temperature=TEMPERATURE, max_new_tokens=10)
     loss_fn = build_loss_fn(PolicyLossConfig())
-    history = []
+    history, moved = [], []
     try:
         sync.send(trainer.named_parameters_for_sync(1 << 16), version=0)
         for step in range(2):
@@ -65,10 +78,15 @@ def test_two_grpo_steps_with_weight_sync():
             batch = TrainBatch.from_samples(samples, pad_token_id=tokenizer.pad_token_id)
             old = trainer.forward_logprobs(batch).log_probs
             gap = ((old - batch.rollout_log_probs).abs() * batch.loss_mask).sum() / batch.loss_mask.sum()
+            if lora is not None and step == 1:  # the adapters the engine was sent changed what it samples from
+                base = trainer.forward_logprobs(batch, model="ref").log_probs
+                moved.append(float(((old - base).abs() * batch.loss_mask).sum() / batch.loss_mask.sum()))
             batch = batch.replace(old_log_probs=old)
             batch, _ = compute_advantages(batch, AdvantageConfig())
             metrics = trainer.train_step(batch, loss_fn)
-            report = sync.send(trainer.named_parameters_for_sync(1 << 16), version=step + 1)
+            buckets = list(trainer.named_parameters_for_sync(1 << 16))
+            assert all((".lora_" in n) == (lora is not None) for bucket in buckets for n, _ in bucket)
+            report = sync.send(iter(buckets), version=step + 1)
             history.append((metrics, float(gap), report))
         assert inference.weight_version == 2
     finally:
@@ -81,3 +99,5 @@ def test_two_grpo_steps_with_weight_sync():
         assert gap < 1e-4
         assert metrics["train_rollout_logprob_abs_diff/mean"] == pytest.approx(gap, abs=1e-6)
         assert 0 <= metrics["train_rollout_logprob_abs_diff/max"] < 1e-3
+    if lora is not None:
+        assert moved and moved[0] > 100 * max(gap for _, gap, _ in history)  # the gap is not the adapters' absence

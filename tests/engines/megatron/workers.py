@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 
 from tandem.engines.training.megatron import (
+    LoRAConfig,
     MegatronConfig,
     MegatronEngine,
     MegatronParallelConfig,
@@ -21,6 +22,8 @@ from tandem.models import ModelConfig
 from ..training.helpers import NaNOnCall, make_batch, sync_weights, token_mean_pg
 
 OPT = OptimizerConfig(lr=1e-3, eps=1e-4, grad_clip=1.0, weight_decay=0.01)  # eps: see test_fsdp_engine
+LORA = LoRAConfig(rank=4, alpha=8.0, sync="adapter",
+                  target_modules=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
 
 # name -> (model, parallel settings). Data-parallel cases split the rows, model-parallel ones share them.
 CASES: dict[str, tuple[str, dict]] = {
@@ -32,13 +35,17 @@ CASES: dict[str, tuple[str, dict]] = {
     "dp2-qwen3": ("tiny-qwen3", {}),
     "dp2-zero-qwen3": ("tiny-qwen3", {"distributed_optimizer": True}),
     "ep2-qwen3-moe": ("tiny-qwen3-moe", {"expert_parallel": 2}),
+    # LoRA (megatron/lora.py): adapters sharded like their layers, summed over TP; the export is the adapters
+    "tp2-qwen2-lora": ("tiny-qwen2", {"tensor_parallel": 2, "lora": True}),
+    "pp2-llama-tied-lora": ("tiny-llama", {"pipeline_parallel": 2, "lora": True}),
 }
 RESUMED = ("tp2-qwen2", "dp2-zero-qwen3")
 
 
-def config(model: str, dtype: str = "float32", **parallel) -> MegatronConfig:
+def config(model: str, dtype: str = "float32", lora: bool = False, **parallel) -> MegatronConfig:
     return MegatronConfig(
         model=ModelConfig(name=model, dtype=dtype),
+        lora=LORA if lora else None,
         parallel=MegatronParallelConfig(**parallel),
         optimizer=OPT,
         micro_batch_tokens=20,  # several micro-batches per step

@@ -1,14 +1,17 @@
-"""Configuration shared by every training engine: the optimizer section of a recipe.
+"""Configuration shared by every training engine: the optimizer and LoRA sections of a recipe.
 
-Each engine's config (``FSDPConfig``, ``MegatronConfig``) embeds this one unchanged, so a recipe switches
-engines without touching its ``optimizer`` keys.
+Each engine's config (``FSDPConfig``, ``MegatronConfig``) embeds these unchanged, so a recipe switches
+engines without touching its ``optimizer`` or ``lora`` keys.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["OptimizerConfig"]
+from tandem.kernels.config import QuantConfig
+
+__all__ = ["LoRAConfig", "OptimizerConfig"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -30,3 +33,34 @@ class OptimizerConfig:
             raise ValueError(f"eps={self.eps} must be > 0")
         if self.weight_decay < 0:
             raise ValueError(f"weight_decay={self.weight_decay} must be >= 0")
+
+
+@dataclass(kw_only=True, slots=True)
+class LoRAConfig:
+    """Low-rank adapters in peft's layout (fsdp/lora.py, megatron/lora.py). Only adapter weights train; the base
+    stays frozen.
+
+    ``sync`` picks what `named_parameters_for_sync` yields: full weights with the adapters merged
+    (for an engine without LoRA support) or the adapter tensors alone (peft naming).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    sync: Literal["merged", "adapter"] = "merged"
+    # QLoRA: keep the frozen base's linear weights quantized (fp8_block, mxfp8, int4; tandem.kernels),
+    # dequantized on the fly (fsdp/qlora.py); the embedded engine serves the same bits
+    quantize_base: QuantConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise ValueError(f"rank={self.rank} must be >= 1")
+        if not self.alpha > 0:
+            raise ValueError(f"alpha={self.alpha} must be > 0")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
+        if not self.target_modules:
+            raise ValueError("target_modules must name at least one module")
+        if self.quantize_base is not None and self.quantize_base.quantize_activations:
+            raise ValueError("quantize_base.quantize_activations: a QLoRA base quantizes weights only")

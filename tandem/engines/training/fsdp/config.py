@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tandem.engines.training.common.config import OptimizerConfig  # shared by every engine; re-exported here
+# shared by every engine; re-exported here
+from tandem.engines.training.common.config import LoRAConfig, OptimizerConfig
 from tandem.kernels.config import QuantConfig
 from tandem.models.registry import ModelConfig
 
@@ -48,36 +49,6 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         if self.replicate < 1:
             raise ValueError(f"replicate={self.replicate} must be >= 1")
-
-
-@dataclass(kw_only=True, slots=True)
-class LoRAConfig:
-    """Low-rank adapters in peft's layout (fsdp/lora.py). Only adapter weights train; the base stays frozen.
-
-    ``sync`` picks what `named_parameters_for_sync` yields: full weights with the adapters merged
-    (for an engine without LoRA support) or the adapter tensors alone (peft naming).
-    """
-
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
-    sync: Literal["merged", "adapter"] = "merged"
-    # QLoRA: keep the frozen base's linear weights quantized (fp8_block, mxfp8, int4; tandem.kernels),
-    # dequantized on the fly (fsdp/qlora.py); the embedded engine serves the same bits
-    quantize_base: QuantConfig | None = None
-
-    def __post_init__(self) -> None:
-        if self.rank < 1:
-            raise ValueError(f"rank={self.rank} must be >= 1")
-        if not self.alpha > 0:
-            raise ValueError(f"alpha={self.alpha} must be > 0")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout={self.dropout} must be in [0, 1)")
-        if not self.target_modules:
-            raise ValueError("target_modules must name at least one module")
-        if self.quantize_base is not None and self.quantize_base.quantize_activations:
-            raise ValueError("quantize_base.quantize_activations: a QLoRA base quantizes weights only")
 
 
 @dataclass(kw_only=True, slots=True)

@@ -3,6 +3,7 @@
 importing this package needs only the base install (``pip install 'tandem-rl[megatron]'`` adds it)."""
 
 from tandem.engines.training.megatron.config import (
+    LoRAConfig,
     MegatronConfig,
     MegatronParallelConfig,
     MegatronRefConfig,
@@ -11,6 +12,7 @@ from tandem.engines.training.megatron.config import (
 from tandem.engines.training.megatron.engine import MegatronEngine
 
 __all__ = [
+    "LoRAConfig",
     "MegatronConfig",
     "MegatronEngine",
     "MegatronParallelConfig",

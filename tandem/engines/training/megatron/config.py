@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tandem.engines.training.common.config import OptimizerConfig
+from tandem.engines.training.common.config import LoRAConfig, OptimizerConfig
 from tandem.models.registry import ModelConfig
 
-__all__ = ["MegatronConfig", "MegatronParallelConfig", "MegatronRefConfig", "OptimizerConfig"]
+__all__ = ["LoRAConfig", "MegatronConfig", "MegatronParallelConfig", "MegatronRefConfig", "OptimizerConfig"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -52,14 +52,6 @@ class MegatronRefConfig:
     model: ModelConfig | None = None
 
 
-LORA_REFUSAL = (
-    "LoRA is not implemented on the Megatron engine: it needs adapters on Megatron's tensor-parallel linear "
-    "layers (ColumnParallelLinear / RowParallelLinear, each adapter matrix sharded like the layer it wraps), "
-    "their gradients in Megatron's DDP buffers and distributed optimizer, and an export under peft's "
-    "HF names; train LoRA with trainer.engine: fsdp (trainer.fsdp.lora, docs/lora.md)"
-)
-
-
 @dataclass(kw_only=True, slots=True)
 class MegatronConfig:
     """Everything the Megatron engine needs; the world size comes from the process group.
@@ -86,11 +78,10 @@ class MegatronConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
     transformer_config: dict[str, Any] = field(default_factory=dict)
-    lora: dict[str, Any] | None = None  # not implemented: refused with what is missing (LORA_REFUSAL)
+    # adapters on the policy's linear layers, peft's layout (megatron/lora.py); the base frozen
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.lora is not None:
-            raise ValueError(LORA_REFUSAL)
         if self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must be >= 1")
         if self.temperature < 0:

@@ -16,6 +16,7 @@ a rank with fewer runs stand-in micro-batches that contribute nothing.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.metadata
 import math
@@ -46,6 +47,7 @@ from tandem.engines.training.megatron.config import MegatronConfig
 from tandem.engines.training.megatron.export import hf_tensors
 from tandem.engines.training.megatron.grads import global_grad_norm, reduce_gradients
 from tandem.engines.training.megatron.logprobs import vocab_parallel_logprobs
+from tandem.engines.training.megatron.lora import adapters_disabled, apply_lora, check_lora, merge_into
 from tandem.engines.training.megatron.model import BuiltModel, build_model
 from tandem.engines.training.megatron.optim import OptimizerSet
 from tandem.engines.training.megatron.parallel import init_model_parallel
@@ -126,12 +128,16 @@ class MegatronEngine:
         self.transformer_engine = self._use_transformer_engine()
         self._seed_rng(config.seed)
         self.policy = self._build(config.model.name)
+        if config.lora is not None:  # adapters on the policy's linear layers; the base frozen (megatron/lora.py)
+            check_lora(config.lora, moe=bool(self.policy.args.moe_layers), transformer_engine=self.transformer_engine,
+                       sequence_parallel=par.sequence_parallel)
+            apply_lora(self.policy, config.lora, tp_rank=self.ctx.tp_rank, tp_size=self.ctx.tp_size, seed=config.seed)
         self.params = list(self.policy.local_params())
         self.optim = OptimizerSet(
             self.params, config.optimizer, lr_lambda, ctx=self.ctx, distributed=par.distributed_optimizer
         )
         self.ref = None
-        if config.ref is not None:
+        if config.ref is not None and config.lora is None:  # with LoRA the reference is the base: adapters off
             self.ref = self._build((config.ref.model or config.model).name)
             self.ref.module.requires_grad_(False)
         self.link = (
@@ -212,6 +218,7 @@ class MegatronEngine:
             vocab_size=args.vocab_size,  # the model's, not Megatron's padded one
             can_sleep=self.ctx.device.type == "cuda",  # sleep moves weights off the GPU; a no-op on CPU
             temperature=cfg.temperature or 1.0,
+            lora_adapters=cfg.lora is not None,
         )
 
     # -- data layout ----------------------------------------------------------------------------------
@@ -326,6 +333,8 @@ class MegatronEngine:
         if model == "policy":
             return self.policy
         if model == "ref":
+            if self.ref is None and self.config.ref is not None:  # LoRA: the policy with its adapters off
+                return self.policy
             if self.ref is None:
                 raise ValueError("forward_logprobs(model='ref') but the engine has no reference (config.ref)")
             return self.ref
@@ -361,7 +370,8 @@ class MegatronEngine:
                     out[1, index, :r] = sb.source.to_response(ent.cpu())
             return result
 
-        with torch.no_grad():
+        base = model == "ref" and self.ref is None  # LoRA's reference: the frozen base
+        with torch.no_grad(), adapters_disabled(built.module) if base else contextlib.nullcontext():
             gpipe(len(stage_batches), forward, None, self.link)
         if self.ctx.pp_size > 1:
             out = self._from_last_stage(out)
@@ -467,9 +477,20 @@ class MegatronEngine:
         )
 
     def named_parameters_for_sync(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """HF-named full policy weights in buckets of at most ``bucket_bytes`` (collective: drain on every rank)."""
+        """HF-named full policy weights in buckets of at most ``bucket_bytes`` (collective: drain on every rank).
+
+        With LoRA: the adapters alone under peft's names (``lora.sync == "adapter"``), or the HF weights with
+        the adapters merged (peft's ``W + B @ A * alpha / rank``)."""
         self._check_open()
-        yield from bucket_by_bytes(hf_tensors(self.policy, self.ctx, self._dtype), bucket_bytes)
+        named = hf_tensors(self.policy, self.ctx, self._dtype)
+        lora = self.config.lora
+        if lora is not None:
+            adapters = hf_tensors(self.policy, self.ctx, self._dtype, rules=self._adapter_rules())
+            if lora.sync == "adapter":
+                named = adapters
+            else:
+                named = merge_into(named, dict(adapters), lora.alpha / lora.rank)
+        yield from bucket_by_bytes(named, bucket_bytes)
 
     def save(self, path: str) -> None:
         """DCP checkpoint: weights, optimizer, LR schedule, RNG, step (collective)."""
@@ -481,6 +502,7 @@ class MegatronEngine:
             "layout": self._layout(),
             "data_parallel": self.ctx.dp_size,
             "has_optimizer_state": self.optim.has_state(),
+            "lora": dataclasses.asdict(self.config.lora) if self.config.lora else None,
         }
         ckpt.save_checkpoint(
             path,
@@ -542,7 +564,13 @@ class MegatronEngine:
         tp = (self.ctx.tp_rank, self.ctx.tp_size)
         etp_group = self.ctx.groups["etp"]
         etp = (dist.get_rank(etp_group), dist.get_world_size(etp_group))
-        return [(ckpt.shard_key(name, rule.split, rule.expert, tp, etp), p) for name, rule, p in self.params]
+        # LoRA: the adapters alone; the frozen base is the model folder's, rebuilt by the engine
+        return [(ckpt.shard_key(name, rule.split, rule.expert, tp, etp), p) for name, rule, p in self.params
+                if p.requires_grad or self.config.lora is None]
+
+    def _adapter_rules(self) -> list:
+        """The rules of every adapter of the whole model (global names, in layer order): peft-named exports."""
+        return [r for name, r in self.policy.rules.items() if ".lora." in name]
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """Broadcast a CPU tensor from the last pipeline stage to every stage of this rank's pipeline."""

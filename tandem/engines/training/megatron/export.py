@@ -54,16 +54,16 @@ def _broadcast(t: torch.Tensor, group, src_group_rank: int) -> torch.Tensor:
 
 @torch.no_grad()
 def hf_tensors(
-    built: BuiltModel, ctx: MegatronContext, dtype: torch.dtype
+    built: BuiltModel, ctx: MegatronContext, dtype: torch.dtype, *, rules: list[convert.Rule] | None = None
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor in dtype)`` for the whole model, on every rank (collective).
 
     Megatron keeps its norms in fp32 under a bf16 model; everything leaves in the model's ``dtype``,
-    as in its HF checkpoint.
+    as in its HF checkpoint. ``rules``: these parameters instead of the model's (LoRA adapters: peft names).
     """
     local = {name: p for name, _, p in built.local_params()}
     layout = built.layout
-    for rule in convert.rules(layout):
+    for rule in convert.rules(layout) if rules is None else rules:
         stage = owner_stage(rule, layout.num_layers, ctx.pp_size)
         expert_rank = _owner_expert_rank(rule, layout.num_experts, ctx.ep_size) if rule.expert else None
         on_stage = ctx.pp_rank == stage
