@@ -1,6 +1,7 @@
 """The Megatron engine: full fine-tuning vs LoRA of SmolLM2-135M-Instruct on one fixed GRPO batch.
 
-Each run is a fresh process (one rank, gloo, fp32, Megatron's local layer spec) that builds a `MegatronEngine`
+Each run is a fresh process (one rank, gloo, fp32, Megatron's local layer spec, under the allocator `tandem train`
+picks, ``runtime.allocator: auto``: tcmalloc where installed) that builds a `MegatronEngine`
 and takes ``--steps`` optimizer steps on `bench/prompt_sharing.py`'s batch (8 arithmetic prompts x 8 responses
 of 8-48 tokens, random advantages; the same batch on both sides), then exports what a sync would send
 (`named_parameters_for_sync`: the full weights, or LoRA's adapters under peft's names). The sides alternate
@@ -47,7 +48,9 @@ def child(name: str, steps: int) -> None:
 
     from tandem.engines.training.megatron import LoRAConfig, MegatronConfig, MegatronEngine, OptimizerConfig
     from tandem.models import ModelConfig
+    from tandem.runtime.allocator import reexec_under
 
+    allocator = reexec_under("auto")  # as `tandem train` runs (runtime.allocator: auto): tcmalloc where installed
     torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     lora = LoRAConfig(rank=16, alpha=32.0, target_modules=TARGETS, sync="adapter") if name == "lora" else None
     batch = make_batch(MODEL, 8, 8)
@@ -73,7 +76,7 @@ def child(name: str, steps: int) -> None:
                              for st in inner.state.values() for v in st.values() if hasattr(v, "numel")) / 2**20,
     }
     engine.close()
-    print(json.dumps({"name": name, "train_s": times, "loss": losses, "build_s": build_s, "built_mib": built_mib,
+    print(json.dumps({"name": name, "allocator": allocator, "train_s": times, "loss": losses, "build_s": build_s, "built_mib": built_mib,
                       "peak_mib": _hwm_mib(), "sync_bytes": sync_bytes, "sync_s": sync_s,
                       "tokens": int(batch.seq_lengths.sum()),
                       **state}), flush=True)
@@ -123,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "model": MODEL, "engine": "megatron (1 rank, gloo, fp32, local spec)", "steps": args.steps,
         "repeats": args.repeats, "lora_rank": 16, "target_modules": list(TARGETS),
+        "allocator": runs["full"][0]["allocator"],
         "megatron_lora_sync_bytes_ratio": round(med["lora"]["sync_bytes"] / med["full"]["sync_bytes"], 4),
         "megatron_lora_peak_memory_ratio": round(med["lora"]["peak_mib"] / med["full"]["peak_mib"], 3),
         "megatron_lora_step_time_ratio": round(med["lora"]["step_s"] / med["full"]["step_s"], 3),
