@@ -58,10 +58,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         model = target.model
         if model is None:  # a checkpoint: its policy as an HF folder
-            from tandem.engines.training.fsdp.export import export_hf
+            from tandem.commands.export import export_checkpoint
 
             try:
-                model = str(export_hf(target.require_checkpoint("tandem eval"), workdir / "model"))
+                model = str(export_checkpoint(target.require_checkpoint("tandem eval"), workdir / "model"))
             except (FileNotFoundError, ValueError) as e:
                 raise ConfigError(f"tandem eval {args.target}: {e}") from None
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, name=model),

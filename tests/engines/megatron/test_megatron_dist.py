@@ -144,3 +144,20 @@ def test_tensor_parallel_moves_weights_like_one_rank(spawned):
     finally:
         engine.close()
     assert max_abs_diff(spawned[0]["tp2-qwen2"]["weights"], initial) > 1e-4
+
+
+@pytest.mark.parametrize("case", ["tp2-qwen2", "tp2-qwen2-lora"])
+def test_tandem_export_of_a_tp2_checkpoint_in_one_process(spawn_dir, spawned, case, tmp_path):
+    """`tandem export` unshards the TP 2 checkpoint the spawn saved: the weights the engine synced at the save
+    (a LoRA checkpoint: its adapters, as a peft folder), bit for bit."""
+    from safetensors.torch import load_file
+
+    from tandem.cli import main as cli_main
+
+    lora = case.endswith("lora")
+    args = ["export", str(spawn_dir / f"ckpt-{case}"), str(tmp_path / "out")] + (["--adapter-only"] if lora else [])
+    assert cli_main(args) == 0
+    got = load_file(str(tmp_path / "out" / ("adapter_model.safetensors" if lora else "model.safetensors")))
+    assert max_abs_diff(got, spawned[0][f"resume-{case}"]["saved"]) == 0.0
+    if not lora:
+        assert cli_main([*args, "--adapter-only"]) == 2  # a full checkpoint has no adapters: refused, named

@@ -39,7 +39,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "tp2-qwen2-lora": ("tiny-qwen2", {"tensor_parallel": 2, "lora": True}),
     "pp2-llama-tied-lora": ("tiny-llama", {"pipeline_parallel": 2, "lora": True}),
 }
-RESUMED = ("tp2-qwen2", "dp2-zero-qwen3")
+RESUMED = ("tp2-qwen2", "dp2-zero-qwen3", "tp2-qwen2-lora")
 
 
 def config(model: str, dtype: str = "float32", lora: bool = False, **parallel) -> MegatronConfig:

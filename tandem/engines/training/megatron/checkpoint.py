@@ -6,7 +6,7 @@ keys (global Megatron parameter names, ``@tp{r}of{n}`` for tensor-parallel slice
 data parallelism share a key and DCP writes it once; a ZeRO-sharded optimizer contributes each state
 tensor from the one rank that owns it. Resuming therefore needs the same tensor / pipeline / expert
 parallel sizes (checked, with a message naming both layouts) but may change the data-parallel size.
-To change the model-parallel layout, export HF weights (``named_parameters_for_sync``) and start a
+To change the model-parallel layout, export HF weights (``tandem export``, `export.export_checkpoint`) and start a
 new run from them.
 
 Layout of a checkpoint directory::
@@ -159,7 +159,7 @@ def load_checkpoint(
     if saved != layout:
         raise ValueError(
             f"{path}: saved with parallel layout {saved}, this engine runs {layout}; tensor/pipeline/expert "
-            "parallel sizes must match (export HF weights to change them)"
+            "parallel sizes must match (tandem export writes HF weights to start another layout from)"
         )
     state = _model_state(params, masters)
     if meta.get("has_optimizer_state"):

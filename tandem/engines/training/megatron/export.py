@@ -10,6 +10,7 @@ copies elsewhere). The full tensor is split back into HF tensors (`convert.from_
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -18,7 +19,7 @@ from tandem.engines.training.megatron import convert
 from tandem.engines.training.megatron.model import BuiltModel
 from tandem.engines.training.megatron.parallel import MegatronContext
 
-__all__ = ["hf_tensors", "owner_stage"]
+__all__ = ["export_checkpoint", "hf_tensors", "owner_stage"]
 
 
 def owner_stage(rule: convert.Rule, num_layers: int, pp_size: int) -> int:
@@ -78,3 +79,93 @@ def hf_tensors(
             full = _broadcast(full.contiguous(), ctx.groups["pp"], stage)
         for name, t in convert.from_megatron(rule, layout, full):
             yield name, t.contiguous()
+
+
+# -- checkpoint -> HF folder (`tandem export`) -------------------------------------------------------
+
+
+def _saved_shards(path: Path, wanted) -> dict[str, torch.Tensor]:
+    """``{DCP key: tensor}`` of the checkpoint's ``model/`` entries whose parameter name passes ``wanted``, read in
+    one process (no process group) whatever layout wrote them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from tandem.engines.training.common.checkpoint import quiet_single_process
+
+    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    state = {key: torch.empty(m.size, dtype=m.properties.dtype) for key, m in meta.state_dict_metadata.items()
+             if key.startswith("model/") and isinstance(m, TensorStorageMetadata)
+             and wanted(key.removeprefix("model/").split("@")[0])}
+    with quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def _unsharded(state: dict[str, torch.Tensor], rules: dict[str, convert.Rule]) -> dict[str, torch.Tensor]:
+    """Global Megatron name -> the full tensor, from the TP slices saved under ``name@tp{r}of{n}``."""
+    slices: dict[str, dict[int, torch.Tensor]] = {}
+    for key, t in state.items():
+        name, _, tp = key.removeprefix("model/").partition("@tp")
+        rank = int(tp.split("of")[0]) if tp else 0
+        slices.setdefault(name, {})[rank] = t
+    return {name: convert.unshard(rules[name], [parts[r] for r in sorted(parts)]) for name, parts in slices.items()}
+
+
+def export_checkpoint(checkpoint: str | Path, output: str | Path, *, dtype: str | None = None,
+                      adapter_only: bool = False, force: bool = False) -> Path:
+    """Write the policy of a Megatron engine checkpoint as an HF folder (a peft adapter folder with
+    ``adapter_only``) at ``output``, like the FSDP engine's `export_hf`; returns its path. Runs in one process,
+    whatever TP/PP/EP layout saved it. A LoRA checkpoint holds the adapters alone: merged weights are the model
+    folder's base plus ``B @ A * alpha / rank`` (peft's arithmetic)."""
+    from tandem.config import from_dict
+    from tandem.engines.training.common.config import LoRAConfig
+    from tandem.engines.training.common.hf_export import check_dtype, check_output, write_export
+    from tandem.engines.training.megatron.checkpoint import read_metadata
+    from tandem.engines.training.megatron.lora import adapter_rules, merge_into
+    from tandem.engines.training.megatron.model import HFCheckpoint, read_args
+    from tandem.models.registry import DTYPES
+
+    ckpt_dir = Path(checkpoint)
+    final = check_output(output, ckpt_dir, force=force)
+    meta = read_metadata(ckpt_dir)
+    check_dtype(dtype)
+    lora = meta.get("lora")
+    if adapter_only and not lora:
+        raise ValueError(f"{ckpt_dir}: --adapter-only needs a LoRA checkpoint; this one trained all weights")
+    base = Path(meta["model_path"])
+    args = read_args(base)
+    state = _saved_shards(ckpt_dir, lambda name: True)
+    names = {key.removeprefix("model/").split("@")[0] for key in state}
+    # the padded vocabulary and the layer spec as saved (the embedding's rows; where the norms live)
+    padded = sum(t.shape[0] for k, t in state.items() if k.startswith("model/embedding.word_embeddings.weight"))
+    layout = convert.Layout.from_args(args, padded_vocab_size=padded or args.vocab_size,
+                                      fused_norms=any(n.endswith("linear_qkv.layer_norm_weight") for n in names))
+    rules = {r.megatron: r for r in convert.rules(layout)}
+    lora_cfg = None
+    if lora:
+        lora_cfg = from_dict(LoRAConfig, lora, path="lora")
+        rules.update({n: r for n, (r, _) in adapter_rules(_Shapes(layout, args), lora_cfg).items()})
+    full = _unsharded(state, rules)
+    adapters = {rules[n].hf[0]: t for n, t in full.items() if ".lora." in n}
+    if adapter_only:
+        tensors = adapters
+    else:
+        if lora:  # the frozen base is the model folder's
+            hf = HFCheckpoint(base)
+            model_dtype = DTYPES[meta["model"]["dtype"]]
+            named = ((n, hf.get(n).to(model_dtype)) for r in convert.rules(layout) for n in r.hf)
+            named = merge_into(named, adapters, lora_cfg.alpha / lora_cfg.rank)
+        else:
+            named = (pair for r in convert.rules(layout) for pair in convert.from_megatron(r, layout, full[r.megatron]))
+        tensors = dict(named)
+    cast = DTYPES[dtype] if dtype else DTYPES[meta["model"]["dtype"]]
+    tensors = {n: t.to(cast).contiguous() for n, t in tensors.items()}
+    return write_export(final, tensors, checkpoint=ckpt_dir, base=base, dtype=dtype, lora=lora,
+                        adapter_only=adapter_only)
+
+
+class _Shapes:
+    """What `lora.adapter_rules` reads of a built model: its layout and HF arguments."""
+
+    def __init__(self, layout: convert.Layout, args) -> None:
+        self.layout, self.args = layout, args
