@@ -15,8 +15,9 @@ projection and is sharded like it:
   whole; the partial products ``x_r A_r^T`` are summed over TP (``reduce_from_tensor_model_parallel_region``)
   before ``B``, so ``B``'s gradient is the same on every rank.
 
-A forward hook adds the adapters' output to the layer's; the q/k/v (gate/up) pieces are interleaved into the
-fused output's layout. Each ``A`` is drawn whole from a generator seeded by the engine seed and the adapter's
+A forward hook adds the adapters' output to the layer's in one ``addmm``: the pieces' ``A`` stacked, their ``B``
+placed in the fused output's rows (q/k/v per query group, gate/up), zero across pieces, and ``alpha / rank``
+applied to the rank-sized product (peft scales the output; the same up to rounding). Each ``A`` is drawn whole from a generator seeded by the engine seed and the adapter's
 name, then sliced, so every TP/PP layout starts from the same adapters (and trains the same: tested against
 one process). Only the adapters train; ``adapters_disabled`` runs the base (the LoRA reference model).
 
@@ -38,6 +39,7 @@ import zlib
 from collections.abc import Iterator, Mapping
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from tandem.engines.training.common.config import LoRAConfig
@@ -85,42 +87,51 @@ def check_lora(cfg: LoRAConfig, *, moe: bool, transformer_engine: bool, sequence
 
 
 class _Adapters(nn.Module):
-    """The adapter pairs of one Megatron linear layer (``A_<piece>``, ``B_<piece>`` parameters)."""
+    """The adapter pairs of one Megatron linear layer (``A_<i>``, ``B_<i>`` parameters, one pair per piece)."""
 
     def __init__(self, pieces: list[str], column: bool, scaling: float, layout: tuple[int, ...]) -> None:
         super().__init__()
         self.pieces, self.column, self.scaling, self.layout = pieces, column, scaling, layout
         self.enabled = True
 
-    def delta(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    def add_to(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` plus every piece's ``x A^T B^T * scaling`` in ``out``'s layout, as two products: the pieces'
+        ``A`` stacked (``[n r, in]``), and their ``B`` placed in one ``[out, n r]`` matrix (zero where a row
+        belongs to another piece), added to ``out`` by the same ``addmm``: no pass over the layer's output
+        beyond the one that adds, forward or backward."""
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
             reduce_from_tensor_model_parallel_region,
         )
 
-        outs = {}
-        for i, piece in enumerate(self.pieces):
-            a, b = getattr(self, f"A_{i}"), getattr(self, f"B_{i}")
-            h = x.to(a.dtype) @ a.t()
-            h = copy_to_tensor_model_parallel_region(h) if self.column else reduce_from_tensor_model_parallel_region(h)
-            outs[piece] = (h @ b.t()) * self.scaling
+        n = len(self.pieces)
+        a = torch.cat([getattr(self, f"A_{i}") for i in range(n)]) if n > 1 else self.A_0
+        h = x.to(a.dtype) @ a.t()
+        h = copy_to_tensor_model_parallel_region(h) if self.column else reduce_from_tensor_model_parallel_region(h)
+        h = (h * self.scaling).to(out.dtype)
+        b = self._placed_b(n).to(out.dtype)
+        flat = torch.addmm(out.reshape(-1, out.shape[-1]), h.reshape(-1, h.shape[-1]), b.t())
+        return flat.view(out.shape)
+
+    def _placed_b(self, n: int) -> torch.Tensor:
+        """``[out rows of this rank, n r]``: piece ``i``'s ``B`` in columns ``i r .. (i + 1) r`` of its own rows of
+        the fused output (``layout``: query groups and the q/k/v rows of each, or the gate/up rows), zero elsewhere."""
         if not self.column:
-            return outs[self.pieces[0]].to(out.dtype)
-        return _fuse(outs, out, self.layout).to(out.dtype)
-
-
-def _fuse(outs: Mapping[str, torch.Tensor], out: torch.Tensor, layout: tuple[int, ...]) -> torch.Tensor:
-    """The adapters' per-projection outputs as one tensor in the fused layer's output layout (zeros where a
-    projection has no adapter). ``layout``: (groups, q rows, k rows, v rows) per query group for
-    ``linear_qkv``, (gate rows, up rows) for ``linear_fc1``, on this TP rank."""
-    lead = out.shape[:-1]
-    if len(layout) == 4:  # linear_qkv: per local query group, its q heads, its k head, its v head
-        groups, widths = layout[0], dict(zip("qkv", layout[1:], strict=True))
-        parts = [outs[p].reshape(*lead, groups, widths[p]) if p in outs
-                 else out.new_zeros(*lead, groups, widths[p]) for p in "qkv"]
-        return torch.cat(parts, dim=-1).reshape(*lead, -1)
-    widths = dict(zip(("gate", "up"), layout, strict=True))
-    return torch.cat([outs[p] if p in outs else out.new_zeros(*lead, widths[p]) for p in ("gate", "up")], dim=-1)
+            return self.B_0
+        rank = self.B_0.shape[1]
+        if len(self.layout) == 4:  # linear_qkv: per local query group, its q heads, its k head, its v head
+            groups, names, widths = self.layout[0], "qkv", self.layout[1:]
+        else:  # linear_fc1: [gate; up]
+            groups, names, widths = 1, ("gate", "up"), self.layout
+        blocks = []
+        for name, width in zip(names, widths, strict=True):
+            if name in self.pieces:
+                i = self.pieces.index(name)
+                b = getattr(self, f"B_{i}").reshape(groups, width, rank)
+                blocks.append(F.pad(b, (i * rank, (n - 1 - i) * rank)))
+            else:
+                blocks.append(self.B_0.new_zeros(groups, width, n * rank))
+        return torch.cat(blocks, dim=1).reshape(-1, n * rank)
 
 
 def _hook(module: nn.Module, args: tuple, kwargs: dict, output):
@@ -129,7 +140,7 @@ def _hook(module: nn.Module, args: tuple, kwargs: dict, output):
         return output
     x = args[0] if args else kwargs["input_"]
     out, bias = output
-    return out + adapters.delta(x, out), bias
+    return adapters.add_to(x, out), bias
 
 
 def _draw_a(seed: int, name: str, rank: int, fan_in: int, dtype: torch.dtype) -> torch.Tensor:
