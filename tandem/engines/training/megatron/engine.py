@@ -482,14 +482,14 @@ class MegatronEngine:
         With LoRA: the adapters alone under peft's names (``lora.sync == "adapter"``), or the HF weights with
         the adapters merged (peft's ``W + B @ A * alpha / rank``)."""
         self._check_open()
-        named = hf_tensors(self.policy, self.ctx, self._dtype)
         lora = self.config.lora
-        if lora is not None:
-            adapters = hf_tensors(self.policy, self.ctx, self._dtype, rules=self._adapter_rules())
-            if lora.sync == "adapter":
-                named = adapters
-            else:
-                named = merge_into(named, dict(adapters), lora.alpha / lora.rank)
+        if lora is None:
+            named = hf_tensors(self.policy, self.ctx, self._dtype)
+        elif lora.sync == "adapter":
+            named = hf_tensors(self.policy, self.ctx, self._dtype, rules=self._adapter_rules())
+        else:
+            adapters = dict(hf_tensors(self.policy, self.ctx, self._dtype, rules=self._adapter_rules()))
+            named = merge_into(hf_tensors(self.policy, self.ctx, self._dtype), adapters, lora.alpha / lora.rank)
         yield from bucket_by_bytes(named, bucket_bytes)
 
     def save(self, path: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -84,9 +85,9 @@ def hf_tensors(
 # -- checkpoint -> HF folder (`tandem export`) -------------------------------------------------------
 
 
-def _saved_shards(path: Path, wanted) -> dict[str, torch.Tensor]:
-    """``{DCP key: tensor}`` of the checkpoint's ``model/`` entries whose parameter name passes ``wanted``, read in
-    one process (no process group) whatever layout wrote them."""
+def _saved_shards(path: Path) -> dict[str, torch.Tensor]:
+    """``{DCP key: tensor}`` of the checkpoint's ``model/`` entries, read in one process (no process group)
+    whatever layout wrote them."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -94,8 +95,7 @@ def _saved_shards(path: Path, wanted) -> dict[str, torch.Tensor]:
 
     meta = dcp.FileSystemReader(str(path)).read_metadata()
     state = {key: torch.empty(m.size, dtype=m.properties.dtype) for key, m in meta.state_dict_metadata.items()
-             if key.startswith("model/") and isinstance(m, TensorStorageMetadata)
-             and wanted(key.removeprefix("model/").split("@")[0])}
+             if key.startswith("model/") and isinstance(m, TensorStorageMetadata)}
     with quiet_single_process():
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
     return state
@@ -134,7 +134,7 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, *, dtype: str 
         raise ValueError(f"{ckpt_dir}: --adapter-only needs a LoRA checkpoint; this one trained all weights")
     base = Path(meta["model_path"])
     args = read_args(base)
-    state = _saved_shards(ckpt_dir, lambda name: True)
+    state = _saved_shards(ckpt_dir)
     names = {key.removeprefix("model/").split("@")[0] for key in state}
     # the padded vocabulary and the layer spec as saved (the embedding's rows; where the norms live)
     padded = sum(t.shape[0] for k, t in state.items() if k.startswith("model/embedding.word_embeddings.weight"))
@@ -144,7 +144,8 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, *, dtype: str 
     lora_cfg = None
     if lora:
         lora_cfg = from_dict(LoRAConfig, lora, path="lora")
-        rules.update({n: r for n, (r, _) in adapter_rules(_Shapes(layout, args), lora_cfg).items()})
+        shapes = SimpleNamespace(layout=layout, args=args)  # what adapter_rules reads of a built model
+        rules.update({n: r for n, (r, _) in adapter_rules(shapes, lora_cfg).items()})
     full = _unsharded(state, rules)
     adapters = {rules[n].hf[0]: t for n, t in full.items() if ".lora." in n}
     if adapter_only:
@@ -163,9 +164,3 @@ def export_checkpoint(checkpoint: str | Path, output: str | Path, *, dtype: str 
     return write_export(final, tensors, checkpoint=ckpt_dir, base=base, dtype=dtype, lora=lora,
                         adapter_only=adapter_only)
 
-
-class _Shapes:
-    """What `lora.adapter_rules` reads of a built model: its layout and HF arguments."""
-
-    def __init__(self, layout: convert.Layout, args) -> None:
-        self.layout, self.args = layout, args

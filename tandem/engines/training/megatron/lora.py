@@ -173,7 +173,7 @@ def _draw_a(seed: int, name: str, rank: int, fan_in: int, dtype: torch.dtype) ->
     return (torch.rand(rank, fan_in, generator=g, dtype=torch.float64) * 2 - 1).mul_(bound).to(dtype)
 
 
-def _plan(built, cfg: LoRAConfig) -> dict[str, list[str]]:
+def _plan(cfg: LoRAConfig) -> dict[str, list[str]]:
     """Megatron module (under ``decoder.layers.{i}.``) -> the HF projections adapted on it, in a fixed order."""
     by_module: dict[str, list[str]] = {}
     for target in TARGETS:  # the table's order, whatever the config lists
@@ -193,7 +193,7 @@ def adapter_rules(built, cfg: LoRAConfig) -> dict[str, tuple[convert.Rule, torch
               "mlp.linear_fc2": args.intermediate_size}
     out = {}
     for layer in range(layout.num_layers):
-        for module, targets in _plan(built, cfg).items():
+        for module, targets in _plan(cfg).items():
             column = module in _COLUMN
             for i, target in enumerate(targets):
                 stem = f"decoder.layers.{layer}.{module}.lora."
@@ -220,7 +220,7 @@ def apply_lora(built, cfg: LoRAConfig, *, tp_rank: int, tp_size: int, seed: int)
     rules = adapter_rules(built, cfg)
     for name, (rule, shape) in rules.items():
         built.rules[name], built.full_shapes[name] = rule, shape
-    plan = _plan(built, cfg)
+    plan = _plan(cfg)
     for p in built.module.parameters():
         p.requires_grad_(False)
     for local_name, module in list(built.module.named_modules()):
