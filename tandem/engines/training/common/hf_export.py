@@ -60,10 +60,9 @@ def _copy_model_files(src: Path, out: Path, dtype: str | None) -> None:
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
 
 
-def _write_adapter_config(meta: dict, base: Path, out: Path) -> None:
+def _write_adapter_config(lora: dict, base: Path, out: Path) -> None:
     from peft import LoraConfig
 
-    lora = meta["lora"]
     LoraConfig(
         r=lora["rank"],
         lora_alpha=lora["alpha"],
@@ -115,7 +114,7 @@ def write_export(final: Path, tensors: dict[str, torch.Tensor], *, checkpoint: P
     try:
         if adapter_only:
             _save_shards(tensors, tmp, "adapter_model")
-            _write_adapter_config({"lora": lora}, base, tmp)
+            _write_adapter_config(lora, base, tmp)
         else:
             _save_shards(tensors, tmp, "model")
             _copy_model_files(base, tmp, dtype)
