@@ -1,4 +1,4 @@
-"""Long responses: peak memory of one FSDP2 training step against the response length, up to 8k tokens.
+"""Long responses: peak memory of one training step against the response length, up to 8k tokens.
 
 The trainer computes log-probs over the vocabulary in chunks of ``logprob_chunk`` rows, recomputing each
 chunk's logits in backward (tandem/models/logprobs.py), so a step never holds ``[tokens, vocab]`` logits.
@@ -11,6 +11,7 @@ a 64-token warm-up step has allocated the optimizer state, the peak resident mem
 
     .venv/bin/python bench/long_response.py            # 1k .. 8k (about a minute)
     .venv/bin/python bench/long_response.py --lengths 1024,4096
+    .venv/bin/python bench/long_response.py --engine megatron   # the Megatron engine (one rank, gloo)
 
 Ends with ``RESULT {json}``: ``step_peak_mb`` per length, ``growth_ratio_8k_over_4k`` (2.0 when the growth is
 linear in the length, 4.0 when quadratic), ``logits_mb`` per length (what unchunked logits would hold).
@@ -42,14 +43,24 @@ def build_model(folder: Path) -> None:
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(str(folder))
 
 
-def one_step(folder: str, response: int) -> dict[str, float]:
+def _engine(name: str, folder: str, tokens: int):
+    from tandem.models import ModelConfig
+
+    if name == "megatron":
+        from tandem.engines.training.megatron import MegatronConfig, MegatronEngine
+
+        return MegatronEngine(MegatronConfig(model=ModelConfig(name=folder), micro_batch_tokens=tokens))
+    from tandem.engines.training.fsdp import FSDPConfig, FSDPEngine
+
+    return FSDPEngine(FSDPConfig(model=ModelConfig(name=folder), micro_batch_tokens=tokens))
+
+
+def one_step(folder: str, response: int, engine_name: str = "fsdp") -> dict[str, float]:
     """In this (fresh) process: the peak memory one training step on a 16 + ``response`` token sequence adds."""
     import torch
 
     from tandem.core.batch import TrainBatch
     from tandem.core.sample import Sample
-    from tandem.engines.training.fsdp import FSDPConfig, FSDPEngine
-    from tandem.models import ModelConfig
 
     def batch(length: int) -> TrainBatch:
         g = torch.Generator().manual_seed(length)
@@ -64,7 +75,7 @@ def one_step(folder: str, response: int) -> dict[str, float]:
         return loss, {"pg/loss": loss.detach()}
 
     torch.set_num_threads(1)
-    engine = FSDPEngine(FSDPConfig(model=ModelConfig(name=folder), micro_batch_tokens=16 + response))
+    engine = _engine(engine_name, folder, 16 + response)
     engine.train_step(batch(48), loss_fn)  # optimizer state allocated
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     metrics = engine.train_step(batch(response), loss_fn)
@@ -75,28 +86,30 @@ def one_step(folder: str, response: int) -> dict[str, float]:
             "loss": float(metrics.get("pg/loss", float("nan")))}
 
 
-def measure(folder: Path, response: int) -> dict[str, float]:
-    out = subprocess.run([sys.executable, __file__, "--child", str(folder), str(response)], capture_output=True,
-                         text=True, timeout=900, cwd=str(ROOT))
+def measure(folder: Path, response: int, engine: str = "fsdp") -> dict[str, float]:
+    out = subprocess.run([sys.executable, __file__, "--child", str(folder), str(response), engine],
+                         capture_output=True, text=True, timeout=900, cwd=str(ROOT))
     if out.returncode != 0:
         raise RuntimeError(f"the {response}-token step failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
         sys.path.insert(0, str(ROOT))
-        print(json.dumps(one_step(sys.argv[2], int(sys.argv[3]))), flush=True)
+        print(json.dumps(one_step(sys.argv[2], int(sys.argv[3]), sys.argv[4])), flush=True)
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="1024,2048,4096,8192")
+    p.add_argument("--engine", choices=("fsdp", "megatron"), default="fsdp")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    out: dict = {"model": "random llama, hidden 64, 2 layers, vocab 49152", "step_peak_mb": {}, "logits_mb": {}}
+    out: dict = {"model": "random llama, hidden 64, 2 layers, vocab 49152", "engine": args.engine,
+                 "step_peak_mb": {}, "logits_mb": {}}
     with tempfile.TemporaryDirectory(prefix="tandem-long-") as tmp:
         build_model(Path(tmp))
         for r in lengths:
-            row = measure(Path(tmp), r)
+            row = measure(Path(tmp), r, args.engine)
             out["step_peak_mb"][r] = row["step_peak_mb"]
             out["logits_mb"][r] = round(r * VOCAB * 4 / 2**20, 1)
             print(f"response {r}: the step adds {row['step_peak_mb']} MB peak (unchunked logits would be "

@@ -19,7 +19,8 @@ Assumptions (docs/plan.md has the derivations and the CPU calibration):
 * Log-prob buffers: Tandem projects only response positions, `logprob_chunk` rows at a time (FSDP): chunk x
   vocab fp32 logits, softmax and gradient (3 buffers) plus two vocab x hidden fp32 buffers (the LM head's
   weight-gradient product and the embedding's dense gradient), measured on CPU. Megatron's head is
-  vocab-parallel and not chunked: response tokens of the micro-batch x vocab / TP x 3 fp32 buffers.
+  vocab-parallel and chunked the same way (megatron/logprobs.py): the chunk's buffers x vocab / TP, plus
+  its fp32 weight-gradient product, vocab / TP x hidden.
 * Rollout engines (vLLM / SGLang): weights split by TP (experts by EP), a fixed overhead (CUDA graphs,
   activations, communication buffers) and the KV cache in what `mem_fraction` of the GPU leaves.
 * The embedded engine: a full copy of the weights in the model dtype (on a CPU: oneDNN-packed copies of the
@@ -42,7 +43,7 @@ GPU_ENGINE_OVERHEAD = 4.0 * GIB  # vLLM / SGLang CUDA graphs, activations, commu
 GPU_ASLEEP_RESIDUAL = 1.5 * GIB  # what a sleeping side keeps on the GPU (context, small buffers)
 CPU_PROCESS_BASE = 0.5 * GIB  # python + torch + transformers + tokenizer before the engines: measured 0.45 GiB in a
 # long-used venv and ~0.55 GiB in a fresh one with the same packages (`make test` in a fresh clone; cause not found)
-LOGPROB_CHUNK = 256  # FSDPConfig.logprob_chunk default
+LOGPROB_CHUNK = 256  # FSDPConfig.logprob_chunk and MegatronConfig.logprob_chunk default
 # bytes per weight of a QLoRA base (`tandem.kernels` formats, default block/group sizes, on a 1536 x 576 weight):
 # FP8 codes + one fp32 scale per 128 x 128 block; MXFP8 + one e8m0 scale per 32; INT4 two per byte + an fp32 scale
 # (and a uint8 zero point for asym) per group of 128 of a row
@@ -189,7 +190,7 @@ def vocab_parallel(arch: Arch, dev: Device, lay: TrainerLayout) -> bool:
 def _logprob_buffers(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout, tokens: float) -> float:
     response_rows = tokens * wl.response_len / wl.seq_len
     if lay.engine == "megatron":
-        return response_rows * arch.vocab / lay.tp * 4 * 3
+        return (min(LOGPROB_CHUNK, response_rows) * 4 * 3 + arch.hidden * 4) * arch.vocab / lay.tp
     if vocab_parallel(arch, dev, lay):  # every rank's rows projected onto this rank's slice of the vocabulary
         rows = min(LOGPROB_CHUNK, response_rows * lay.shard)
         return (rows * 4 * 3 + 2 * arch.hidden * 4) * arch.vocab / lay.shard

@@ -161,3 +161,27 @@ def test_tandem_export_of_a_tp2_checkpoint_in_one_process(spawn_dir, spawned, ca
     assert max_abs_diff(got, spawned[0][f"resume-{case}"]["saved"]) == 0.0
     if not lora:
         assert cli_main([*args, "--adapter-only"]) == 2  # a full checkpoint has no adapters: refused, named
+
+
+def test_chunked_head_over_two_vocabulary_slices_equals_one_process(spawned):
+    """`head_logprobs` under TP 2 (each rank half the padded vocabulary, chunks of 3 of 7 rows): the log-probs,
+    entropy and hidden-state gradient of the whole vocabulary on every rank, each rank its rows' weight gradient;
+    and the same on hidden states gathered from halves of the rows (sequence parallelism), each rank its half's
+    gradient."""
+    from .test_megatron_logprobs import head_reference
+
+    hidden, weight, targets, w_logp, w_ent = workers.head_inputs()
+    hidden.requires_grad_(), weight.requires_grad_()
+    ref_logp, ref_ent = head_reference(hidden, weight, targets, 0.7)
+    ((ref_logp * w_logp.double()).sum() + (ref_ent * w_ent.double()).sum()).backward()
+    g_rows = torch.cat([hidden.grad, torch.zeros(1, 8)])
+    rows = workers.HEAD_PADDED // 2
+    for rank, out in enumerate(r["head"] for r in spawned):
+        assert (out["tp"]["plain"].double() - ref_logp).abs().max() < 1e-5
+        for mode, g_hidden in (("tp", hidden.grad), ("sp", g_rows[rank * 4 : rank * 4 + 4])):
+            got = out[mode]
+            assert (got["logp"].double() - ref_logp).abs().max() < 1e-5, mode
+            assert (got["ent"].double() - ref_ent).abs().max() < 1e-5, mode
+            assert (got["g_hidden"] - g_hidden).abs().max() < 1e-5, mode  # summed over the two slices
+            assert (got["g_weight"] - weight.grad[rank * rows : (rank + 1) * rows]).abs().max() < 1e-5, mode
+    assert not spawned[1]["head"]["tp"]["g_weight"][workers.HEAD_VOCAB - rows :].any()  # padded rows

@@ -1,57 +1,58 @@
-"""Vocab-parallel log-probs and entropy on one rank against plain ``log_softmax`` and autograd."""
+"""The Megatron engine's log-prob head (`head_logprobs`) on one rank against ``log_softmax`` and autograd in
+float64; over two vocabulary slices (TP 2, and with a sequence-parallel gather) in test_megatron_dist.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from tandem.engines.training.megatron.logprobs import vocab_parallel_logprobs
+from tandem.engines.training.megatron.logprobs import head_logprobs
+from tandem.models.logprobs import token_logprobs
+
+from .workers import HEAD_VOCAB, head_inputs
 
 
-def _reference(logits, targets, vocab, temperature):
-    z = logits[:, :vocab].double() / temperature
+def head_reference(hidden, weight, targets, temperature):
+    """float64 log-probs and entropy of ``hidden @ weight[:HEAD_VOCAB].T / temperature``, differentiable."""
+    z = (hidden.double() @ weight.double()[:HEAD_VOCAB].t()) / temperature
     logp_all = torch.log_softmax(z, -1)
     return logp_all.gather(-1, targets[:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_matches_log_softmax_and_ignores_padded_columns(temperature):
-    g = torch.Generator().manual_seed(0)
-    logits = torch.randn(6, 12, generator=g) * 4
-    logits[:, 10:] = 50.0  # padded vocabulary columns: huge logits that must not count
-    targets = torch.randint(0, 10, (6,), generator=g)
-    logp, ent = vocab_parallel_logprobs(
-        logits, targets, vocab_start=0, vocab_size=10, temperature=temperature, with_entropy=True
-    )
-    ref_logp, ref_ent = _reference(logits, targets, 10, temperature)
-    assert logp.dtype == torch.float32 and logp.shape == (6,)
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_matches_log_softmax_and_ignores_padded_rows(temperature):
+    hidden, weight, targets, _, _ = head_inputs()  # the padded rows' logits are huge: they must not count
+    logp, ent = head_logprobs(hidden, weight, targets, vocab_start=0, vocab_size=HEAD_VOCAB,
+                              temperature=temperature, chunk=3, with_entropy=True)
+    ref_logp, ref_ent = head_reference(hidden, weight, targets, temperature or 1.0)  # 0: greedy, the plain softmax
+    assert logp.dtype == torch.float32 and logp.shape == (7,)
     assert (logp.double() - ref_logp).abs().max() < 1e-5
     assert (ent.double() - ref_ent).abs().max() < 1e-5
-    greedy, _ = vocab_parallel_logprobs(logits, targets, vocab_start=0, vocab_size=10, temperature=0.0)
-    assert torch.allclose(greedy.double(), _reference(logits, targets, 10, 1.0)[0], atol=1e-5)
 
 
-def test_gradients_of_log_probs_and_entropy_match_autograd():
-    g = torch.Generator().manual_seed(1)
-    logits = (torch.randn(5, 9, generator=g) * 3).requires_grad_()
-    targets = torch.randint(0, 8, (5,), generator=g)
-    w_lp, w_ent = torch.randn(5, generator=g), torch.randn(5, generator=g)
-    logp, ent = vocab_parallel_logprobs(
-        logits, targets, vocab_start=0, vocab_size=8, temperature=0.8, with_entropy=True
-    )
-    ((logp * w_lp).sum() + (ent * w_ent).sum()).backward()
-    ours = logits.grad.clone()
-    logits.grad = None
-    ref_logp, ref_ent = _reference(logits, targets, 8, 0.8)
-    ((ref_logp * w_lp.double()).sum() + (ref_ent * w_ent.double()).sum()).backward()
-    assert (ours - logits.grad).abs().max() < 1e-5
-    assert not ours[:, 8:].any()  # the padded column gets no gradient
+def test_gradients_match_autograd_in_chunks_and_equal_the_fsdp_head():
+    hidden, weight, targets, w_logp, w_ent = head_inputs()
+    hidden.requires_grad_(), weight.requires_grad_()
+    logp, ent = head_logprobs(hidden, weight, targets, vocab_start=0, vocab_size=HEAD_VOCAB, temperature=0.7,
+                              chunk=3, with_entropy=True)
+    ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
+    ours = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    ref_logp, ref_ent = head_reference(hidden, weight, targets, 0.7)
+    ((ref_logp * w_logp.double()).sum() + (ref_ent * w_ent.double()).sum()).backward()
+    assert (ours[0] - hidden.grad).abs().max() < 1e-5
+    assert (ours[1] - weight.grad).abs().max() < 1e-5
+    assert not ours[1][HEAD_VOCAB:].any()  # the padded rows get no gradient
+    # one TP rank: the FSDP engine's head, bit for bit
+    same, _ = token_logprobs(hidden.detach(), weight.detach()[:HEAD_VOCAB], targets, temperature=0.7, chunk_size=3)
+    assert torch.equal(logp.detach(), same)
 
 
-def test_bad_shapes_name_the_shapes():
-    with pytest.raises(ValueError, match=r"logits \(4,\) must be \[M, V_local\]"):
-        vocab_parallel_logprobs(torch.zeros(4), torch.zeros(4, dtype=torch.long), vocab_start=0, vocab_size=4)
-    with pytest.raises(ValueError, match="temperature=-1.0 must be >= 0"):
-        vocab_parallel_logprobs(
-            torch.zeros(2, 4), torch.zeros(2, dtype=torch.long), vocab_start=0, vocab_size=4, temperature=-1.0
-        )
+def test_head_refuses_bad_input_by_name():
+    h, w, t = torch.zeros(4, 8), torch.zeros(10, 8), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match=r"hidden \(4, 8\) must be \[M, H\], weight \(10, 8\) .* got \(3,\)"):
+        head_logprobs(h, w, t[:3], vocab_start=0, vocab_size=10)
+    with pytest.raises(ValueError, match="chunk=0 must be >= 1"):
+        head_logprobs(h, w, t, vocab_start=0, vocab_size=10, chunk=0)
+    with pytest.raises(ValueError, match="temperature=-0.5 must be >= 0"):
+        head_logprobs(h, w, t, vocab_start=0, vocab_size=10, temperature=-0.5)

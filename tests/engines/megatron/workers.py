@@ -110,9 +110,70 @@ def nan_on_one_rank(rank: int) -> dict:
     return out
 
 
+HEAD_VOCAB, HEAD_PADDED = 22, 24  # the real vocabulary and Megatron's padded one (12 rows per TP rank)
+
+
+def head_inputs() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(hidden [7, 8], weight [24, 8], targets [7], w_logp, w_ent)`` for the log-prob head's TP test; targets
+    on both ranks' slices, the padded rows huge (they must not count)."""
+    g = torch.Generator().manual_seed(3)
+    hidden, weight = torch.randn(7, 8, generator=g), torch.randn(HEAD_PADDED, 8, generator=g)
+    weight[HEAD_VOCAB:] = 40.0
+    targets = torch.tensor([0, 11, 12, 21, 5, 17, 3])
+    return hidden, weight, targets, torch.randn(7, generator=g), torch.randn(7, generator=g)
+
+
+class _GatherRows(torch.autograd.Function):
+    """A sequence-parallel gather on gloo (Megatron's is CUDA-only): all-gather the rows forward; backward, the
+    summed gradient's own rows (what its reduce-scatter gives)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, x.contiguous())
+        ctx.rank, ctx.n = dist.get_rank(), x.shape[0]
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad)
+        return grad[ctx.rank * ctx.n : (ctx.rank + 1) * ctx.n]
+
+
+def head_tp(rank: int) -> dict:
+    """`head_logprobs` over this rank's half of the vocabulary, chunks of 3 rows: with and without grad, and
+    on hidden states gathered from row halves (sequence parallelism: the gather sums their gradient)."""
+    import torch.distributed as dist
+
+    from tandem.engines.training.megatron.logprobs import head_logprobs
+
+    hidden, weight, targets, w_logp, w_ent = head_inputs()
+    rows = HEAD_PADDED // 2
+    kw = {"vocab_start": rank * rows, "vocab_size": HEAD_VOCAB, "temperature": 0.7, "group": dist.group.WORLD,
+          "chunk": 3, "with_entropy": True}
+    out: dict = {}
+    for mode in ("tp", "sp"):
+        h = (hidden if mode == "tp" else torch.cat([hidden, torch.zeros(1, 8)])[rank * 4 : rank * 4 + 4])
+        h = h.clone().requires_grad_()
+        local = weight[rank * rows : (rank + 1) * rows].clone().requires_grad_()
+        head_in = h if mode == "tp" else _GatherRows.apply(h)[:7]
+        logp, ent = head_logprobs(head_in, local, targets, **kw, sum_hidden_grad=mode == "tp")
+        ((logp * w_logp).sum() + (ent * w_ent).sum()).backward()
+        out[mode] = {"logp": logp.detach(), "ent": ent.detach(), "g_hidden": h.grad, "g_weight": local.grad}
+    with torch.no_grad():
+        out["tp"]["plain"], _ = head_logprobs(hidden, weight[rank * rows : (rank + 1) * rows], targets,
+                                              **{**kw, "with_entropy": False})
+    return out
+
+
 def all_layouts(rank: int, world: int, out_dir: str) -> None:
     torch.manual_seed(0)
-    results: dict = {}
+    results: dict = {"head": head_tp(rank)}
     for name, (model, parallel) in CASES.items():
         engine = MegatronEngine(config(model, **parallel))
         results[name] = two_steps(engine)

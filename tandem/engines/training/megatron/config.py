@@ -71,6 +71,7 @@ class MegatronConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     ref: MegatronRefConfig | None = None
     micro_batch_tokens: int = 8192
+    logprob_chunk: int = 256  # rows of [rows, V / TP] logits the log-prob head holds at a time (megatron/logprobs.py)
     temperature: float = 1.0
     layer_spec: Literal["auto", "local", "transformer_engine"] = "auto"
     vocab_divisible_by: int = 128  # Megatron pads the vocabulary to a multiple of this x tensor_parallel
@@ -84,6 +85,8 @@ class MegatronConfig:
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must be >= 1")
+        if self.logprob_chunk < 1:
+            raise ValueError(f"logprob_chunk={self.logprob_chunk} must be >= 1")
         if self.temperature < 0:
             raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy: 1.0)")
         if self.vocab_divisible_by < 1:

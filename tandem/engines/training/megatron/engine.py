@@ -46,12 +46,13 @@ from tandem.engines.training.megatron import checkpoint as ckpt
 from tandem.engines.training.megatron.config import MegatronConfig
 from tandem.engines.training.megatron.export import hf_tensors
 from tandem.engines.training.megatron.grads import global_grad_norm, reduce_gradients
-from tandem.engines.training.megatron.logprobs import vocab_parallel_logprobs
+from tandem.engines.training.megatron.logprobs import head_logprobs
 from tandem.engines.training.megatron.lora import adapters_disabled, apply_lora, check_lora, merge_into
 from tandem.engines.training.megatron.model import BuiltModel, build_model
 from tandem.engines.training.megatron.optim import OptimizerSet
 from tandem.engines.training.megatron.parallel import init_model_parallel
 from tandem.engines.training.megatron.pipeline import (
+    HeadInput,
     StageBatch,
     StageLink,
     gpipe,
@@ -307,19 +308,22 @@ class MegatronEngine:
             input_tensor,
             first=self.ctx.first_stage,
             last=self.ctx.last_stage,
-            select_before_output=not self.config.parallel.sequence_parallel,
         )
 
-    def _logprobs(self, built: BuiltModel, logits: torch.Tensor, sb: StageBatch, with_entropy: bool):
-        """``(log_probs [M], entropy [M] | None)`` of the selected positions (last stage)."""
-        return vocab_parallel_logprobs(
-            logits,
+    def _logprobs(self, built: BuiltModel, out: HeadInput, sb: StageBatch, with_entropy: bool):
+        """``(log_probs [M], entropy [M] | None)`` of the selected positions (last stage), ``logprob_chunk`` rows
+        of logits at a time."""
+        return head_logprobs(
+            out.hidden,
+            out.weight,
             sb.targets,
-            vocab_start=self.ctx.tp_rank * logits.shape[-1],
+            vocab_start=self.ctx.tp_rank * out.weight.shape[0],
             vocab_size=built.args.vocab_size,
             temperature=self.config.temperature,
             group=self.ctx.groups["tp"],
             with_entropy=with_entropy,
+            chunk=self.config.logprob_chunk,
+            sum_hidden_grad=not out.gathered,
         )
 
     def _check_open(self) -> None:
@@ -408,10 +412,10 @@ class MegatronEngine:
             stats.tokens += stage_batches[k][1].input_ids.numel()
             return self._stage(built, stage_batches[k][1], inp)
 
-        def loss(k: int, logits: torch.Tensor) -> torch.Tensor:
+        def loss(k: int, head: HeadInput) -> torch.Tensor:
             nonlocal total
             sub, sb = stage_batches[k]
-            lp, ent = self._logprobs(built, logits, sb, with_entropy)
+            lp, ent = self._logprobs(built, head, sb, with_entropy)
             if sub is None:
                 value = lp.sum() * 0.0
             else:

@@ -1,8 +1,12 @@
-"""Temperature-scaled log-probs and entropy over a vocabulary split across tensor-parallel ranks.
+"""Temperature-scaled log-probs and entropy from the last hidden states, over a vocabulary split across
+tensor-parallel ranks, ``chunk`` rows of logits at a time.
 
-Each TP rank holds the logits of its vocabulary slice, ``z_local [M, V_local]`` (Megatron's
-``parallel_output``); the full ``[M, V]`` logits never exist on one rank. With ``z = logits / T``
-(float32) and three all-reduces over the TP group (a max, then one summed ``[3, M]`` tensor)::
+Each TP rank holds the output layer's rows of its vocabulary slice, ``W_local [V_local, h]`` (Megatron's
+``parallel_output``); the full ``[M, V]`` logits never exist on one rank, and of the local ones at most
+``chunk x V_local`` exist at a time: the backward recomputes each chunk's logits (as the FSDP engine's head,
+tandem/models/logprobs.py) instead of holding ``[M, V_local]`` float32 several times over (logits, their
+exponentials, the softmax and gradient). With ``z = h W_local^T / T`` (float32) per chunk and two
+all-reduces over the TP group (a max, then one summed ``[2 or 3, chunk]`` tensor)::
 
     lse        = max + log(sum_v exp(z_v - max))
     log p(t)   = z_t - lse                       (z_t lives on exactly one rank; the others add 0)
@@ -10,13 +14,18 @@ Each TP rank holds the logits of its vocabulary slice, ``z_local [M, V_local]`` 
 
 This is the standard vocab-parallel cross entropy (Megatron's ``vocab_parallel_cross_entropy``, the
 Megatron-LM paper, Shoeybi et al. 2019) extended by the entropy term. The backward needs no
-communication: with the global ``lse`` each rank owns its columns of ``softmax(z)``::
+communication of its own: with the global ``lse`` each rank owns its columns of ``softmax(z)``::
 
     d log p(t) / dz = onehot(t) - p
     d H / dz        = -p * (log p + H)
 
-Columns past the real vocabulary (Megatron pads it to a multiple of the TP size) are excluded, so the
-result equals a log-softmax over exactly the HF vocabulary.
+and the hidden states' gradient, a partial sum per vocabulary slice, is summed over the TP ranks by
+``copy_to_tensor_model_parallel_region`` (as in Megatron's ``ColumnParallelLinear``), or under sequence
+parallelism by the backward of the sequence gather that produced the hidden states (pipeline.py).
+
+Rows past the real vocabulary (Megatron pads it to a multiple of the TP size) are excluded, so the
+result equals a log-softmax over exactly the HF vocabulary. With one TP rank `head_logprobs` *is* the FSDP
+engine's head (`token_logprobs`): the same bits for the same hidden states.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["vocab_parallel_logprobs"]
+from tandem.models.logprobs import chunk_logits, logits_grad_, token_logprobs
+
+__all__ = ["head_logprobs"]
 
 
 def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -33,54 +44,77 @@ def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return t
 
 
-def _stats(z: torch.Tensor, targets: torch.Tensor, vocab_start: int, group, with_entropy: bool):
-    """``(log_probs [M], entropy [M] | None, lse [M])`` of the local logits ``z [M, V_local]``."""
-    m = z.shape[0]
-    local_max = z.max(dim=-1).values if z.shape[1] else z.new_full((m,), float("-inf"))
-    gmax = _all_reduce(local_max.clone(), group, dist.ReduceOp.MAX)
-    shifted = z - gmax[:, None]
-    exp = shifted.exp()
+def _chunk_stats(h, weight, targets, vocab_start, temperature, group, with_entropy):
+    """``(log p [n], entropy [n] | None, lse [n])`` of one chunk of hidden rows over this rank's vocabulary
+    slice ``weight [V_local, H]`` (its real rows only): one ``[n, V_local]`` buffer, two with entropy."""
+    z = chunk_logits(h, weight, temperature)
+    n, width = z.shape
     local_t = targets - vocab_start
-    own = (local_t >= 0) & (local_t < z.shape[1])
-    target_z = torch.where(
-        own, shifted.gather(-1, local_t.clamp(0, max(z.shape[1] - 1, 0))[:, None]).squeeze(-1), 0.0
-    )
-    sums = torch.stack([exp.sum(-1), target_z, (exp * shifted).sum(-1)])  # [3, M]
+    own = (local_t >= 0) & (local_t < width)
+    gmax = _all_reduce(z.amax(-1) if width else z.new_full((n,), float("-inf")), group, dist.ReduceOp.MAX)
+    shifted = z.sub_(gmax[:, None])
+    target_s = torch.where(own, shifted.gather(-1, local_t.clamp(0, max(width - 1, 0))[:, None]).squeeze(-1), 0.0)
+    if with_entropy:
+        e = shifted.exp()
+        sums = torch.stack([e.sum(-1), target_s, e.mul_(shifted).sum(-1)])  # e * s: H's numerator
+        del e
+    else:
+        sums = torch.stack([shifted.exp_().sum(-1), target_s])
     _all_reduce(sums, group)
     log_sum = sums[0].log()
-    lse = gmax + log_sum
-    logp = sums[1] - log_sum
-    # H = log S - sum(e * s) / S with s = z - max, e = exp(s), S = sum(e)
     ent = log_sum - sums[2] / sums[0] if with_entropy else None
-    return logp, ent, lse
+    return sums[1] - log_sum, ent, gmax + log_sum
 
 
-class _VocabParallelLogProbs(torch.autograd.Function):
+class _ChunkedHead(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, z, targets, vocab_start, group, with_entropy):
-        logp, ent, lse = _stats(z, targets, vocab_start, group, with_entropy)
-        ctx.save_for_backward(z, targets, lse, *([ent] if with_entropy else []))
-        ctx.vocab_start, ctx.with_entropy = vocab_start, with_entropy
+    def forward(ctx, hidden, weight, targets, vocab_start, temperature, chunk, group, with_entropy):
+        n = hidden.shape[0]
+        logp, lse = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(2))
+        ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
+        for s in range(0, n, chunk):
+            lp, en, lse[s : s + chunk] = _chunk_stats(
+                hidden[s : s + chunk], weight, targets[s : s + chunk], vocab_start, temperature, group, with_entropy
+            )
+            logp[s : s + chunk] = lp
+            if with_entropy:
+                ent[s : s + chunk] = en
+        ctx.save_for_backward(hidden, weight, targets, lse, *([ent] if with_entropy else []))
+        ctx.vocab_start, ctx.temperature, ctx.chunk, ctx.with_entropy = vocab_start, temperature, chunk, with_entropy
         return logp, (ent if with_entropy else logp.new_zeros(0))
 
     @staticmethod
     def backward(ctx, g_logp, g_ent):
-        z, targets, lse, *rest = ctx.saved_tensors
-        logp_all = z - lse[:, None]
-        p = logp_all.exp()
-        gz = -p * g_logp[:, None]
+        hidden, weight, targets, lse, *rest = ctx.saved_tensors
+        ent = rest[0] if ctx.with_entropy and g_ent.numel() else None
+        t, chunk, width = ctx.temperature, ctx.chunk, weight.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        g_hidden = torch.zeros_like(hidden) if need_h else None
+        g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         local_t = targets - ctx.vocab_start
-        own = (local_t >= 0) & (local_t < z.shape[1])
-        rows = own.nonzero(as_tuple=True)[0]
-        gz[rows, local_t[rows]] += g_logp[rows]
-        if ctx.with_entropy and g_ent.numel():
-            ent = rest[0]
-            gz -= g_ent[:, None] * p * (logp_all + ent[:, None])
-        return gz, None, None, None, None
+        own = (local_t >= 0) & (local_t < width)
+        local_t = local_t.clamp(0, max(width - 1, 0))
+        for s in range(0, hidden.shape[0], chunk):
+            h, rows = hidden[s : s + chunk], slice(s, s + chunk)
+            gz = logits_grad_(
+                chunk_logits(h, weight, t).sub_(lse[rows, None]),
+                g_logp[rows],
+                local_t[rows],
+                t,
+                g_ent=g_ent[rows] if ent is not None else None,
+                ent=ent[rows] if ent is not None else None,
+                in_rows=own[rows],
+            )
+            if need_h:
+                g_hidden[rows] = torch.matmul(gz.to(weight.dtype), weight).to(hidden.dtype)
+            if need_w:
+                g_weight.addmm_(gz.t(), h.float())
+        return g_hidden, (g_weight.to(weight.dtype) if need_w else None), None, None, None, None, None, None
 
 
-def vocab_parallel_logprobs(
-    logits: torch.Tensor,
+def head_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
     targets: torch.Tensor,
     *,
     vocab_start: int,
@@ -88,26 +122,50 @@ def vocab_parallel_logprobs(
     temperature: float = 1.0,
     group=None,
     with_entropy: bool = False,
+    chunk: int = 256,
+    sum_hidden_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs of ``targets [M]`` (global ids) and optionally entropy, float32 ``[M]`` each.
+    """Log-probs of ``targets [M]`` (global ids), and optionally entropy, from the last hidden states.
 
-    ``logits [M, V_local]`` are this rank's vocabulary slice, starting at global id ``vocab_start``;
-    ``vocab_size`` is the real (unpadded) vocabulary. ``temperature == 0`` means 1 (greedy log-probs
-    are those of the unscaled softmax). Differentiable in ``logits``; collective over ``group``.
+    ``hidden [M, H]`` at the positions that predict ``targets``; ``weight [V_local, H]`` is this rank's
+    slice of the output layer (padded rows included), starting at global id ``vocab_start``;
+    ``vocab_size`` is the real vocabulary. At most ``chunk`` rows of logits exist at a time (forward and
+    backward). Differentiable in ``hidden`` and ``weight``; collective over ``group`` (the TP group).
+    ``sum_hidden_grad=False``: the caller sums the hidden states' gradient over the group itself (sequence
+    parallelism's gather).
     """
-    if logits.dim() != 2 or targets.shape != logits.shape[:1]:
+    if hidden.dim() != 2 or weight.dim() != 2 or targets.shape != hidden.shape[:1]:
         raise ValueError(
-            f"logits {tuple(logits.shape)} must be [M, V_local] with targets [M], got {tuple(targets.shape)}"
+            f"hidden {tuple(hidden.shape)} must be [M, H], weight {tuple(weight.shape)} [V_local, H] and "
+            f"targets [M], got {tuple(targets.shape)}"
         )
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be >= 1")
     if temperature < 0:
         raise ValueError(f"temperature={temperature} must be >= 0")
-    real = max(0, min(logits.shape[1], vocab_size - vocab_start))
-    z = logits[:, :real].float()
-    if temperature not in (0.0, 1.0):
-        z = z / temperature
-    if not torch.is_grad_enabled() or not z.requires_grad:
+    temperature = 1.0 if temperature == 0 else float(temperature)
+    real = max(0, min(weight.shape[0], vocab_size - vocab_start))
+    w = weight[:real] if real < weight.shape[0] else weight
+    if group is None or dist.get_world_size(group) == 1:
+        return token_logprobs(
+            hidden, w, targets, temperature=temperature, chunk_size=chunk, with_entropy=with_entropy
+        )
+    if not torch.is_grad_enabled() or not (hidden.requires_grad or w.requires_grad):
+        n = hidden.shape[0]
+        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
+        ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
         with torch.no_grad():
-            logp, ent, _ = _stats(z, targets, vocab_start, group, with_entropy)
+            for s in range(0, n, chunk):
+                lp, en, _ = _chunk_stats(
+                    hidden[s : s + chunk], w, targets[s : s + chunk], vocab_start, temperature, group, with_entropy
+                )
+                logp[s : s + chunk] = lp
+                if ent is not None:
+                    ent[s : s + chunk] = en
         return logp, ent
-    logp, ent = _VocabParallelLogProbs.apply(z, targets, vocab_start, group, with_entropy)
+    if hidden.requires_grad and sum_hidden_grad:  # each rank's slice adds to the hidden states' gradient
+        from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+        hidden = copy_to_tensor_model_parallel_region(hidden, group=group)
+    logp, ent = _ChunkedHead.apply(hidden, w, targets, vocab_start, temperature, chunk, group, with_entropy)
     return logp, (ent if with_entropy else None)

@@ -143,28 +143,6 @@ def _hook(module: nn.Module, args: tuple, kwargs: dict, output):
     return adapters.add_to(x, out), bias
 
 
-class _CanonicalGrad(torch.autograd.Function):
-    """Identity whose backward hands on its gradient with row-major strides, size-1 dimensions included (which
-    `is_contiguous` ignores but torch.matmul's folding checks): a view where the data already lies so."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad.contiguous().view(-1, grad.shape[-1]).view(grad.shape)
-
-
-def _canonical_output_grad(module: nn.Module, args: tuple, output):
-    """A frozen output layer's backward, ``grad.matmul(weight)``, gets the gradient of its ``[M, 1, V]`` logits
-    through GPTModel's transpose: strides ``(V, M V, 1)``, which torch.matmul cannot fold into one product, so it
-    broadcasts the ``[V, H]`` weight over the ``M`` rows (a batched product reading the vocabulary projection once
-    per row: 2.0 of a 7.1 s SmolLM2 step). A trained weight takes Megatron's other path, which folds."""
-    out, bias = output
-    return _CanonicalGrad.apply(out), bias
-
-
 def _draw_a(seed: int, name: str, rank: int, fan_in: int, dtype: torch.dtype) -> torch.Tensor:
     """The whole ``A`` of adapter ``name``: Kaiming-uniform with ``a = sqrt(5)`` (peft's, nn.Linear's), from a
     generator seeded by the engine seed and the name, so every parallel layout draws the same matrix."""
@@ -241,9 +219,6 @@ def apply_lora(built, cfg: LoRAConfig, *, tp_rank: int, tp_size: int, seed: int)
             adapters.register_parameter(f"B_{i}", nn.Parameter(b.clone()))
         module.lora = adapters
         module.register_forward_hook(_hook, with_kwargs=True)
-    output_layer = getattr(built.module, "output_layer", None)  # the last pipeline stage's
-    if output_layer is not None:
-        output_layer.register_forward_hook(_canonical_output_grad)
 
 
 def _adapter_modules(module: nn.Module) -> list[_Adapters]:

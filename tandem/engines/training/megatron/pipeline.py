@@ -3,8 +3,12 @@
 **Layout.** Megatron's local attention cannot take packed (THD) sequences, so a micro-batch is padded:
 ``input_ids [b, L]`` right-padded, with one causal mask ``[1, 1, L, L]`` (right padding needs no
 padding mask: a real token only attends to earlier, real, tokens). Only the ``M`` positions that
-predict response tokens reach the output layer: a forward pre-hook on ``output_layer`` gathers those
-hidden states, so prompt positions never produce vocabulary logits.
+predict response tokens are kept, and the output layer does not run: the last stage hands those hidden
+states and the layer's weight to the log-prob head (megatron/logprobs.py: `head_logprobs`), which
+projects them onto the vocabulary a chunk of rows at a time. Prompt positions never produce logits, and
+no ``[M, V]`` logits are held for the backward. Under sequence parallelism the stand-in first gathers the
+sequence as the output layer would (Megatron's ``gather_from_sequence_parallel_region``: all-gather
+forward, reduce-scatter backward, which also sums the hidden states' gradient over the TP ranks).
 
 **Schedule.** Megatron's own pipeline schedules allocate on CUDA (``torch.zeros(..., device="cuda")``,
 p2p buffers on ``torch.cuda.current_device()``, ``torch.cuda.synchronize()``), so the engine runs its own
@@ -26,7 +30,7 @@ import torch.distributed as dist
 
 from tandem.engines.training.common import MicroBatch
 
-__all__ = ["StageBatch", "StageLink", "gpipe", "pad_micro_batch", "stage_forward"]
+__all__ = ["HeadInput", "StageBatch", "StageLink", "gpipe", "pad_micro_batch", "stage_forward"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -67,40 +71,47 @@ def pad_micro_batch(
     )
 
 
+@dataclass(slots=True)
+class HeadInput:
+    """The last stage's output when the log-prob head does the vocabulary projection."""
+
+    hidden: torch.Tensor  # [M, h] at the selected positions
+    weight: torch.Tensor  # [V_local, h]: the output layer's (the word embeddings' when tied)
+    gathered: bool  # sequence parallel: the gather's backward already sums the gradient over the TP ranks
+
+
 @contextlib.contextmanager
-def _select_rows(module, select: torch.Tensor) -> Iterator[None]:
-    """Feed the output layer only the hidden states at ``select`` (``[s, b, h]`` -> ``[M, 1, h]``)."""
+def _head_input(module, select: torch.Tensor, sink: dict) -> Iterator[None]:
+    """Stand in for the output layer's forward: hand on the hidden states at ``select`` (``[s, b, h]`` ->
+    ``[M, 1, h]``) instead of logits, and leave the weight the model passed (tied: the embeddings') in ``sink``."""
+    layer = module.output_layer
 
-    def hook(_layer, args, kwargs):
-        hidden = args[0]
+    def forward(hidden, weight=None, runtime_gather_output=None):
+        sink["weight"] = layer.weight if weight is None else weight
+        sink["gathered"] = bool(layer.sequence_parallel)
+        if layer.sequence_parallel:  # [s / TP, b, h] -> [s, b, h], as ColumnParallelLinear does (CUDA only)
+            from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+            hidden = gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=True,
+                                                          group=layer.tp_group)
         flat = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])
-        return (flat.index_select(0, select).unsqueeze(1), *args[1:]), kwargs
+        return flat.index_select(0, select).unsqueeze(1), None
 
-    handle = module.output_layer.register_forward_pre_hook(hook, with_kwargs=True)
+    layer.forward = forward  # an instance attribute: nn.Module.__call__ runs it, hooks included
     try:
         yield
     finally:
-        handle.remove()
+        del layer.forward
 
 
 def stage_forward(
-    module,
-    batch: StageBatch,
-    input_tensor: torch.Tensor | None,
-    *,
-    first: bool,
-    last: bool,
-    select_before_output: bool,
-) -> torch.Tensor:
-    """One stage's forward. Last stage: logits ``[M, V_local]`` at the selected positions; else ``[L, b, h]``.
-
-    ``select_before_output`` is False under sequence parallelism, where the output layer gathers the
-    sequence itself: the full logits are computed and the rows selected afterwards.
-    """
+    module, batch: StageBatch, input_tensor: torch.Tensor | None, *, first: bool, last: bool
+) -> torch.Tensor | HeadInput:
+    """One stage's forward: ``[L, b, h]``, or on the last stage the `HeadInput` of the selected positions."""
     if not first:
         module.set_input_tensor(input_tensor)
-    scope = _select_rows(module, batch.select) if last and select_before_output else contextlib.nullcontext()
-    with scope:
+    sink: dict = {}
+    with _head_input(module, batch.select, sink) if last else contextlib.nullcontext():
         out = module(
             input_ids=batch.input_ids if first else None,
             position_ids=batch.position_ids,
@@ -108,9 +119,7 @@ def stage_forward(
         )
     if not last:
         return out
-    if select_before_output:
-        return out.squeeze(0)  # [1, M, V_local] -> [M, V_local]
-    return out.reshape(-1, out.shape[-1]).index_select(0, batch.select)
+    return HeadInput(hidden=out.squeeze(0), weight=sink["weight"], gathered=sink["gathered"])  # [1, M, h] -> [M, h]
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -152,8 +161,8 @@ class StageLink:
 
 def gpipe(
     num_micro_batches: int,
-    forward: Callable[[int, torch.Tensor | None], torch.Tensor],
-    loss: Callable[[int, torch.Tensor], torch.Tensor] | None,
+    forward: Callable[[int, torch.Tensor | None], torch.Tensor | HeadInput],
+    loss: Callable[[int, HeadInput], torch.Tensor] | None,
     link: StageLink | None,
 ) -> None:
     """Run ``forward`` (and, with ``loss``, backward) over the micro-batches of one step on this stage.
