@@ -1,5 +1,5 @@
 """MegatronEngine in one process against HF references on the tiny models (fp32): the contract of
-tests/engines/training/test_fsdp_engine.py, plus conversion parity and the CPU shims."""
+tests/engines/training/test_fsdp_engine.py, plus conversion parity, the CPU shims and the SDPA core attention."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tandem.engines.training.megatron import (  # noqa: E402
     OptimizerConfig,
     convert,  # noqa: E402
 )
+from tandem.engines.training.megatron.attention import _causal  # noqa: E402
 from tandem.models import ModelConfig, load_model, resolve_model  # noqa: E402
 
 from ..training.helpers import (  # noqa: E402
@@ -344,3 +345,61 @@ def test_cpu_rotary_table_is_megatrons_formula_on_the_cpu(build):
         apply_cpu_shims(torch.nn.Module(), torch.device("cuda"))
     plain = RotaryEmbedding(kv_channels=16, rotary_percent=1.0, use_cpu_initialization=True)
     assert torch.equal(cpu_rotary_emb(plain, 5)[:, 0, 0, :8], torch.outer(torch.arange(5.0), plain.inv_freq))
+
+
+# -- core attention (megatron/attention.py): SDPAttention against Megatron's DotProductAttention ---------------
+
+
+def _attention(forward, core, q, k, v, mask):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = forward(core, q, k, v, mask)
+    (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def test_sdpa_core_attention_equals_megatrons(build):
+    """The same outputs and gradients under the causal mask, no mask (causal) and another mask, with GQA."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    engine = build("tiny-qwen3")
+    core = engine.policy.module.decoder.layers[0].self_attention.core_attention
+    assert type(core).__name__ == "SDPAttention"
+    heads, groups = core.num_attention_heads_per_partition, core.num_query_groups_per_partition
+    hn = core.hidden_size_per_attention_head
+    assert heads > groups  # the tiny Qwen3 has grouped queries
+    g = torch.Generator().manual_seed(0)
+    s, b = 9, 2
+    q = torch.randn(s, b, heads, hn, generator=g)
+    k, v = (torch.randn(s, b, groups, hn, generator=g) for _ in range(2))
+    causal = torch.triu(torch.ones(s, s, dtype=torch.bool), 1)[None, None]
+    other = causal.clone()
+    other[..., 4:, 2] = True  # rows 4.. do not see key 2
+    core.train()
+    for mask, their_mask in ((causal, causal), (None, causal), (other, other)):
+        # no mask: causal (Megatron's own forward builds that default on CUDA only)
+        ours = _attention(type(core).forward, core, q, k, v, mask)
+        theirs = _attention(DotProductAttention.forward, core, q, k, v, their_mask)
+        assert ours[0].shape == (s, b, heads * hn)
+        for a, t in zip(ours, theirs, strict=True):
+            assert (a - t).abs().max() < 1e-5, None if mask is None else mask.sum()
+    assert _causal(causal, s, s) and not _causal(other, s, s) and not _causal(causal, s, s + 1)
+    with pytest.raises(AssertionError, match="Packed sequence is not supported by DotProductAttention"):
+        core(q, k, v, causal, packed_seq_params=object())  # what SDPA does not take goes to Megatron's forward
+
+
+def test_engine_with_either_attention_gives_the_same_logprobs_and_step(build):
+    """`attention: megatron` (Megatron's own core attention) and the default agree, before and after a step."""
+    batch = make_batch(seed=3)
+    results = []
+    for attention in ("sdpa", "megatron"):
+        engine = build("tiny-qwen2", attention=attention)
+        lp = engine.forward_logprobs(batch, with_entropy=True)
+        metrics = engine.train_step(batch, token_mean_pg)
+        results.append((lp, metrics, engine.forward_logprobs(batch).log_probs))
+        engine.close()
+    (a, ma, a2), (b, mb, b2) = results
+    assert (a.log_probs - b.log_probs).abs().max() < 1e-5 and (a.entropy - b.entropy).abs().max() < 1e-5
+    assert abs(ma["train/grad_norm"] - mb["train/grad_norm"]) < 1e-4 * mb["train/grad_norm"]
+    assert (a2 - b2).abs().max() < 1e-5  # after the step
+    with pytest.raises(ValueError, match="attention='flash': choose 'sdpa' or 'megatron'"):
+        build("tiny-qwen2", attention="flash")

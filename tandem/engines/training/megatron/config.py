@@ -74,6 +74,9 @@ class MegatronConfig:
     logprob_chunk: int = 256  # rows of [rows, V / TP] logits the log-prob head holds at a time (megatron/logprobs.py)
     temperature: float = 1.0
     layer_spec: Literal["auto", "local", "transformer_engine"] = "auto"
+    # the local spec's core attention: torch SDPA (fused, memory linear in the sequence; attention.py) or
+    # Megatron's DotProductAttention (materialises [b, heads, s, s] scores)
+    attention: Literal["sdpa", "megatron"] = "sdpa"
     vocab_divisible_by: int = 128  # Megatron pads the vocabulary to a multiple of this x tensor_parallel
     deterministic: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -85,6 +88,8 @@ class MegatronConfig:
     def __post_init__(self) -> None:
         if self.micro_batch_tokens < 1:
             raise ValueError(f"micro_batch_tokens={self.micro_batch_tokens} must be >= 1")
+        if self.attention not in ("sdpa", "megatron"):
+            raise ValueError(f"attention={self.attention!r}: choose 'sdpa' or 'megatron'")
         if self.logprob_chunk < 1:
             raise ValueError(f"logprob_chunk={self.logprob_chunk} must be >= 1")
         if self.temperature < 0:

@@ -204,6 +204,7 @@ class MegatronEngine:
             deterministic=cfg.deterministic,
             vocab_divisible_by=cfg.vocab_divisible_by,
             extra_config=cfg.transformer_config,
+            attention=cfg.attention,
         )
 
     def _describe(self) -> EngineInfo:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tandem.engines.training.megatron import convert
+from tandem.engines.training.megatron.attention import use_sdpa
 from tandem.engines.training.megatron.parallel import MegatronContext
 from tandem.models.transformer import RotaryEmbedding, TransformerArgs, UnsupportedModelError
 
@@ -141,15 +142,19 @@ def transformer_config(
     return TransformerConfig(**kw)
 
 
-def block_spec(config, *, transformer_engine: bool):
+def block_spec(config, *, transformer_engine: bool, attention: str = "sdpa"):
     """This stage's decoder-layer specs: Megatron's local modules or TransformerEngine's fused ones.
 
     Built per layer from the config, so ``moe_layer_freq`` decides which layers are MoE (a model with
-    dense layers among MoE ones, e.g. Qwen3-MoE's ``mlp_only_layers``, gets both kinds).
+    dense layers among MoE ones, e.g. Qwen3-MoE's ``mlp_only_layers``, gets both kinds). The local spec's
+    core attention is `SDPAttention` (attention.py) unless ``attention == "megatron"``.
     """
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    return get_gpt_decoder_block_spec(config, use_transformer_engine=transformer_engine, normalization="RMSNorm")
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=transformer_engine, normalization="RMSNorm")
+    if not transformer_engine and attention == "sdpa":
+        use_sdpa(spec)
+    return spec
 
 
 @dataclass(kw_only=True, slots=True)
@@ -187,6 +192,7 @@ def build_model(
     deterministic: bool,
     vocab_divisible_by: int,
     extra_config: dict | None = None,
+    attention: str = "sdpa",
 ) -> BuiltModel:
     """Build this rank's stage of the Megatron model for HF folder ``path`` and load its weights."""
     from megatron.core.models.gpt.gpt_model import GPTModel
@@ -217,7 +223,7 @@ def build_model(
     layout = convert.Layout.from_args(args, padded_vocab_size=padded, fused_norms=transformer_engine)
     module = GPTModel(
         config=config,
-        transformer_layer_spec=block_spec(config, transformer_engine=transformer_engine),
+        transformer_layer_spec=block_spec(config, transformer_engine=transformer_engine, attention=attention),
         vocab_size=padded,
         max_sequence_length=args.max_position_embeddings,
         pre_process=ctx.first_stage,
