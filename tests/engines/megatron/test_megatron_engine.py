@@ -385,6 +385,13 @@ def test_sdpa_core_attention_equals_megatrons(build):
     assert _causal(causal, s, s) and not _causal(other, s, s) and not _causal(causal, s, s + 1)
     with pytest.raises(AssertionError, match="Packed sequence is not supported by DotProductAttention"):
         core(q, k, v, causal, packed_seq_params=object())  # what SDPA does not take goes to Megatron's forward
+    core.attention_dropout.p = 0.5  # dropout while training: Megatron's forward, given the causal mask it needs
+    try:
+        dropped = core(q, k, v, None)
+    finally:
+        core.attention_dropout.p = 0.0
+    plain = core(q, k, v, None)
+    assert dropped.shape == plain.shape and not torch.allclose(dropped, plain)
 
 
 def test_engine_with_either_attention_gives_the_same_logprobs_and_step(build):

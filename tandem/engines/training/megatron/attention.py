@@ -8,8 +8,9 @@ attention, and flash / memory-efficient attention on CUDA) keep neither: memory 
 It is a subclass, so the module tree, parameters and checkpoints are Megatron's; the TransformerEngine
 spec keeps TE's own fused attention.
 
-The engine's masks are causal (``pad_micro_batch``: right padding needs no padding mask), which SDPA
-takes as ``is_causal`` without a mask tensor; a mask that is not the causal one is passed on as is.
+The engine's masks are causal (``pad_micro_batch``: right padding needs no padding mask); with this
+attention it passes none, which SDPA takes as ``is_causal``. A mask tensor is checked once per tensor:
+the causal one becomes ``is_causal`` too, any other is passed on as is.
 What SDPA cannot express the same way falls back to Megatron's forward: attention dropout while training
 (Megatron draws it from its CUDA RNG tracker), query-key layer scaling, sliding windows, softmax offsets,
 packed sequences and attention biases.
@@ -59,6 +60,9 @@ def sdpa_attention() -> type:
             if (packed_seq_params is not None or attention_bias is not None or dropout > 0
                     or cfg.apply_query_key_layer_scaling or self.softmax_offset is not None
                     or self.scale_mask_softmax.window_size is not None):
+                if attention_mask is None:  # Megatron builds its default causal mask on CUDA only
+                    s = query.shape[0]
+                    attention_mask = torch.ones(s, s, dtype=torch.bool, device=query.device).triu_(1)[None, None]
                 return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
                                        attention_bias=attention_bias, packed_seq_params=packed_seq_params)
             sq, b, heads, _ = query.shape

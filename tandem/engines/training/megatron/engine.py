@@ -297,7 +297,8 @@ class MegatronEngine:
         for (sub, mb), (rows, length) in zip(pieces, shapes.tolist(), strict=True):
             if self.config.parallel.sequence_parallel:
                 length = math.ceil(length / self.ctx.tp_size) * self.ctx.tp_size
-            out.append((sub, pad_micro_batch(mb, rows, length, batch.pad_token_id, self.ctx.device)))
+            out.append((sub, pad_micro_batch(mb, rows, length, batch.pad_token_id, self.ctx.device,
+                                             mask=self.transformer_engine or self.config.attention != "sdpa")))
         return out
 
     # -- forward pieces -------------------------------------------------------------------------------

@@ -39,19 +39,20 @@ class StageBatch:
 
     input_ids: torch.Tensor  # [b, L] int64
     position_ids: torch.Tensor  # [b, L] int64
-    attention_mask: torch.Tensor  # [1, 1, L, L] bool, True = masked out
+    attention_mask: torch.Tensor | None  # [1, 1, L, L] bool, True = masked out; None: causal (SDPAttention)
     select: torch.Tensor  # [M] int64 into the flattened [b * L] positions
     targets: torch.Tensor  # [M] int64
     source: MicroBatch  # the unpadded micro-batch (scatter back to response space)
 
 
 def pad_micro_batch(
-    mb: MicroBatch, rows: int, length: int, pad_token_id: int, device: torch.device
+    mb: MicroBatch, rows: int, length: int, pad_token_id: int, device: torch.device, *, mask: bool = True
 ) -> StageBatch:
     """``mb`` (padded layout) widened to ``[rows, length]``: extra rows/columns are pad tokens.
 
     Extra columns sit after every real token and extra rows are never selected, so causality keeps
-    them from influencing anything that is scored.
+    them from influencing anything that is scored. ``mask=False``: no ``[L, L]`` mask tensor (64 MiB at 8k
+    tokens), for a core attention that takes none as causal (attention.py).
     """
     b, width = mb.input_ids.shape
     if rows < b or length < width:
@@ -60,11 +61,11 @@ def pad_micro_batch(
     ids[:b, :width] = mb.input_ids
     positions = torch.arange(length).expand(rows, length).contiguous()
     select = (mb.select // width) * length + mb.select % width
-    mask = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)[None, None]
+    causal = torch.triu(torch.ones(length, length, dtype=torch.bool), diagonal=1)[None, None] if mask else None
     return StageBatch(
         input_ids=ids.to(device),
         position_ids=positions.to(device),
-        attention_mask=mask.to(device),
+        attention_mask=causal.to(device) if mask else None,
         select=select.to(device),
         targets=mb.targets.to(device),
         source=mb,
