@@ -20,11 +20,14 @@ allocate a second dense one for the embedding and a third for their sum: 3 x 108
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "TiedGrad", "chunk_logits", "logits_grad_", "logprobs_from_hidden", "logsumexp_", "tied_embedding", "token_logprobs",
+    "TiedGrad", "chunk_logits", "logits_grad_", "logprobs_from_hidden", "logsumexp_", "slice_grads", "slice_stats",
+    "tied_embedding", "token_logprobs",
 ]
 
 
@@ -115,6 +118,91 @@ def logits_grad_(
         gz = logp_all.exp_().mul_(-g)
     gz.scatter_add_(-1, targets[:, None], g if in_rows is None else g * in_rows[:, None])
     return gz.div_(temperature) if temperature != 1.0 else gz
+
+
+def _target_columns(targets: torch.Tensor, start: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(column [n], inside [n] bool)``: a target's column in the slice ``[start, start + rows)``, clamped where
+    it lies outside."""
+    col = targets - start
+    inside = (col >= 0) & (col < rows)
+    return col.clamp(0, max(rows - 1, 0)), inside
+
+
+def slice_stats(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    start: int,
+    temperature: float,
+    chunk: int,
+    with_entropy: bool,
+    all_reduce: Callable[[torch.Tensor, str], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """``(log p [n], entropy [n] or None, logsumexp [n])`` of ``targets`` (global ids) under a vocabulary split
+    into slices over a group of ranks, every rank holding the same ``hidden [n, H]`` and its rows ``weight`` of
+    the projection, ids ``[start, start + rows)``. ``all_reduce(t, op)`` reduces ``t`` in place over the group
+    (``op``: ``"max"`` or ``"sum"``) and returns it; it is called twice whatever ``n``: each chunk's maximum,
+    exponential sum, target logit and ``sum e log e`` are kept per rank and combined at the end (each rank's
+    sums rescaled to the global maximum), so the chunks take no collective of their own."""
+    n, rows = hidden.shape[0], weight.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden.device)
+    m, s, zt, a = (torch.zeros(n, **f32) for _ in range(4))
+    for i in range(0, n, chunk):
+        z = chunk_logits(hidden[i : i + chunk], weight, temperature)
+        mi = z.max(-1).values if rows else torch.full((z.shape[0],), float("-inf"), **f32)
+        col, inside = _target_columns(targets[i : i + chunk], start, rows)
+        zt[i : i + chunk] = torch.where(inside, z.gather(-1, col[:, None]).squeeze(-1), 0.0) if rows else 0.0
+        e = z.sub_(mi[:, None]).exp_()  # in place: e = exp(z - m), the one [chunk, rows] buffer
+        m[i : i + chunk], s[i : i + chunk] = mi, e.sum(-1)
+        if with_entropy:  # sum e (z - m) = sum e log e: bounded by the logits' spread, not their level
+            a[i : i + chunk] = e.xlogy_(e).sum(-1)
+        del z, e
+    gm = all_reduce(m.clone(), "max")
+    scale = torch.exp(m - gm)
+    parts = [s * scale, zt] + ([scale * (a + (m - gm) * s)] if with_entropy else [])
+    total = all_reduce(torch.stack(parts), "sum")
+    lse = gm + torch.log(total[0])
+    logp = total[1] - lse
+    # entropy = lse - sum p z = log S - sum_r scale_r (a_r + (m_r - gm) s_r) / S: no large terms cancel
+    ent = torch.log(total[0]) - total[2] / total[0] if with_entropy else None
+    return logp, ent, lse
+
+
+def slice_grads(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    start: int,
+    lse: torch.Tensor,
+    g_logp: torch.Tensor,
+    temperature: float,
+    chunk: int,
+    *,
+    g_ent: torch.Tensor | None = None,
+    ent: torch.Tensor | None = None,
+    g_weight: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The backward of `slice_stats` on this rank's slice: returns this slice's part of the gradient at
+    ``hidden`` (float32 ``[n, H]``; the caller sums the parts over the group) and adds the gradient of ``weight``
+    into ``g_weight`` (float32, in place) when given. Each chunk's logits are recomputed (the same bits)."""
+    n, rows = hidden.shape[0], weight.shape[0]
+    g_hidden = torch.zeros((n, weight.shape[1]), dtype=torch.float32, device=hidden.device)
+    for i in range(0, n, chunk):
+        h = hidden[i : i + chunk]
+        col, inside = _target_columns(targets[i : i + chunk], start, rows)
+        gz = logits_grad_(
+            chunk_logits(h, weight, temperature).sub_(lse[i : i + chunk, None]),  # log p over this slice's columns
+            g_logp[i : i + chunk],
+            col,
+            temperature,
+            g_ent=g_ent[i : i + chunk] if g_ent is not None else None,
+            ent=ent[i : i + chunk] if g_ent is not None else None,
+            in_rows=inside,
+        )
+        g_hidden[i : i + chunk] = torch.matmul(gz.to(weight.dtype), weight).float()
+        if g_weight is not None:
+            g_weight.addmm_(gz.t(), h.float())
+    return g_hidden
 
 
 class _ChunkedLogProbs(torch.autograd.Function):

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tandem.models.logprobs import chunk_logits, logits_grad_
+from tandem.models.logprobs import slice_grads, slice_stats
 
 __all__ = ["VocabParallelEmbedding", "VocabShard", "can_shard_vocabulary", "shard_vocabulary", "vocab_parallel_logprobs", "vocab_rows"]
 
@@ -83,6 +83,9 @@ def _gather_rows(x: torch.Tensor, sizes: list[int], vs: VocabShard) -> torch.Ten
 def _mine(x: torch.Tensor, sizes: list[int], vs: VocabShard) -> torch.Tensor:
     start = sum(sizes[: vs.rank])
     return x[start : start + sizes[vs.rank]]
+
+
+_OPS = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
 
 
 def _all_reduce(x: torch.Tensor, vs: VocabShard, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -140,40 +143,14 @@ class _Embedding(torch.autograd.Function):
         return None, None, None, None
 
 
-def _target_columns(targets: torch.Tensor, vs: VocabShard, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(column [n], in_slice [n] bool)``: a target's column in this slice (clamped where it is not)."""
-    col = targets - vs.start
-    inside = (col >= 0) & (col < rows)
-    return col.clamp(0, rows - 1), inside
-
-
 class _LogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vs, temperature, chunk, with_entropy, main):
         sizes = _gather_sizes(hidden.shape[0], vs, hidden.device)
         h_all = _gather_rows(hidden.detach(), sizes, vs)
         t_all = _gather_rows(targets, sizes, vs)
-        n, rows = h_all.shape[0], weight.shape[0]
-        f32 = dict(dtype=torch.float32, device=hidden.device)
-        m, s, zt, a = (torch.zeros(n, **f32) for _ in range(4))
-        for i in range(0, n, chunk):
-            z = chunk_logits(h_all[i : i + chunk], weight, temperature)
-            mi = z.max(-1).values
-            col, inside = _target_columns(t_all[i : i + chunk], vs, rows)
-            zt[i : i + chunk] = torch.where(inside, z.gather(-1, col[:, None]).squeeze(-1), 0.0)
-            e = z.sub_(mi[:, None]).exp_()  # in place: e = exp(z - m), the one [chunk, rows] buffer
-            m[i : i + chunk], s[i : i + chunk] = mi, e.sum(-1)
-            if with_entropy:  # sum e (z - m) = sum e log e: bounded by the logits' spread, not their level
-                a[i : i + chunk] = e.xlogy_(e).sum(-1)
-            del z, e
-        gm = _all_reduce(m.clone(), vs, dist.ReduceOp.MAX)
-        scale = torch.exp(m - gm)
-        parts = [s * scale, zt] + ([scale * (a + (m - gm) * s)] if with_entropy else [])
-        total = _all_reduce(torch.stack(parts), vs)
-        lse = gm + torch.log(total[0])
-        logp = total[1] - lse
-        # entropy = lse - sum p z = log S - sum_r scale_r (a_r + (m_r - gm) s_r) / S: no large terms cancel
-        ent = torch.log(total[0]) - total[2] / total[0] if with_entropy else None
+        logp, ent, lse = slice_stats(h_all, weight, t_all, vs.start, temperature, chunk, with_entropy,
+                                     lambda t, op: _all_reduce(t, vs, _OPS[op]))
         ctx.save_for_backward(h_all, weight, t_all, lse, *([ent] if with_entropy else []))
         ctx.vs, ctx.sizes, ctx.main = vs, sizes, main
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.hidden_dtype = temperature, chunk, with_entropy, hidden.dtype
@@ -190,28 +167,13 @@ class _LogProbs(torch.autograd.Function):
         g_all = _gather_rows(g_logp.float().contiguous(), sizes, vs)
         ge_all = _gather_rows(g_ent.float().contiguous(), sizes, vs) if ent is not None else None
         main = ctx.main if ctx.needs_input_grad[1] else None
-        n, rows = h_all.shape[0], weight.shape[0]
-        g_hidden = torch.zeros((n, weight.shape[1]), dtype=torch.float32, device=h_all.device)
         g_weight = None
         if main is not None:  # fp32 master weights: straight into .grad; else through an fp32 buffer
             g_weight = main.local()
             if g_weight.dtype != torch.float32:
                 g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        for i in range(0, n, chunk):
-            h = h_all[i : i + chunk]
-            col, inside = _target_columns(t_all[i : i + chunk], vs, rows)
-            gz = logits_grad_(
-                chunk_logits(h, weight, t).sub_(lse[i : i + chunk, None]),  # log p over this slice's columns
-                g_all[i : i + chunk],
-                col,
-                t,
-                g_ent=ge_all[i : i + chunk] if ge_all is not None else None,
-                ent=ent[i : i + chunk] if ge_all is not None else None,
-                in_rows=inside,
-            )
-            g_hidden[i : i + chunk] = torch.matmul(gz.to(weight.dtype), weight).float()
-            if g_weight is not None:
-                g_weight.addmm_(gz.t(), h.float())
+        g_hidden = slice_grads(h_all, weight, t_all, vs.start, lse, g_all, t, chunk, g_ent=ge_all, ent=ent,
+                               g_weight=g_weight)
         if g_weight is not None and g_weight is not main.local():
             main.local().add_(g_weight.to(main.local().dtype))
         # every rank's partial over its slice of the vocabulary, summed (a collective: always, in step)

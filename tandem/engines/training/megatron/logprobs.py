@@ -5,8 +5,10 @@ Each TP rank holds the output layer's rows of its vocabulary slice, ``W_local [V
 ``parallel_output``); the full ``[M, V]`` logits never exist on one rank, and of the local ones at most
 ``chunk x V_local`` exist at a time: the backward recomputes each chunk's logits (as the FSDP engine's head,
 tandem/models/logprobs.py) instead of holding ``[M, V_local]`` float32 several times over (logits, their
-exponentials, the softmax and gradient). With ``z = h W_local^T / T`` (float32) per chunk and two
-all-reduces over the TP group (a max, then one summed ``[2 or 3, chunk]`` tensor)::
+exponentials, the softmax and gradient). With ``z = h W_local^T / T`` (float32), each rank keeps every row's
+local maximum, exponential sum and target logit, and two all-reduces over the TP group for all rows (a max,
+then one summed tensor of the sums rescaled to the global max; `slice_stats`, shared with the FSDP engine's
+vocabulary-parallel head) give::
 
     lse        = max + log(sum_v exp(z_v - max))
     log p(t)   = z_t - lse                       (z_t lives on exactly one rank; the others add 0)
@@ -33,52 +35,27 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from tandem.models.logprobs import chunk_logits, logits_grad_, token_logprobs
+from tandem.models.logprobs import slice_grads, slice_stats, token_logprobs
 
 __all__ = ["head_logprobs"]
 
 
-def _all_reduce(t: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    if group is not None and dist.get_world_size(group) > 1:
-        dist.all_reduce(t, op=op, group=group)
-    return t
+def _reducer(group):
+    """``all_reduce(t, op)`` over ``group`` for `slice_stats`."""
+    ops = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
 
+    def reduce(t: torch.Tensor, op: str) -> torch.Tensor:
+        dist.all_reduce(t, op=ops[op], group=group)
+        return t
 
-def _chunk_stats(h, weight, targets, vocab_start, temperature, group, with_entropy):
-    """``(log p [n], entropy [n] | None, lse [n])`` of one chunk of hidden rows over this rank's vocabulary
-    slice ``weight [V_local, H]`` (its real rows only): one ``[n, V_local]`` buffer, two with entropy."""
-    z = chunk_logits(h, weight, temperature)
-    n, width = z.shape
-    local_t = targets - vocab_start
-    own = (local_t >= 0) & (local_t < width)
-    gmax = _all_reduce(z.amax(-1) if width else z.new_full((n,), float("-inf")), group, dist.ReduceOp.MAX)
-    shifted = z.sub_(gmax[:, None])
-    target_s = torch.where(own, shifted.gather(-1, local_t.clamp(0, max(width - 1, 0))[:, None]).squeeze(-1), 0.0)
-    if with_entropy:
-        e = shifted.exp()
-        sums = torch.stack([e.sum(-1), target_s, e.mul_(shifted).sum(-1)])  # e * s: H's numerator
-        del e
-    else:
-        sums = torch.stack([shifted.exp_().sum(-1), target_s])
-    _all_reduce(sums, group)
-    log_sum = sums[0].log()
-    ent = log_sum - sums[2] / sums[0] if with_entropy else None
-    return sums[1] - log_sum, ent, gmax + log_sum
+    return reduce
 
 
 class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_start, temperature, chunk, group, with_entropy):
-        n = hidden.shape[0]
-        logp, lse = (torch.empty(n, dtype=torch.float32, device=hidden.device) for _ in range(2))
-        ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
-        for s in range(0, n, chunk):
-            lp, en, lse[s : s + chunk] = _chunk_stats(
-                hidden[s : s + chunk], weight, targets[s : s + chunk], vocab_start, temperature, group, with_entropy
-            )
-            logp[s : s + chunk] = lp
-            if with_entropy:
-                ent[s : s + chunk] = en
+        logp, ent, lse = slice_stats(hidden, weight, targets, vocab_start, temperature, chunk, with_entropy,
+                                     _reducer(group))
         ctx.save_for_backward(hidden, weight, targets, lse, *([ent] if with_entropy else []))
         ctx.vocab_start, ctx.temperature, ctx.chunk, ctx.with_entropy = vocab_start, temperature, chunk, with_entropy
         return logp, (ent if with_entropy else logp.new_zeros(0))
@@ -87,29 +64,12 @@ class _ChunkedHead(torch.autograd.Function):
     def backward(ctx, g_logp, g_ent):
         hidden, weight, targets, lse, *rest = ctx.saved_tensors
         ent = rest[0] if ctx.with_entropy and g_ent.numel() else None
-        t, chunk, width = ctx.temperature, ctx.chunk, weight.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        g_hidden = torch.zeros_like(hidden) if need_h else None
         g_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
-        local_t = targets - ctx.vocab_start
-        own = (local_t >= 0) & (local_t < width)
-        local_t = local_t.clamp(0, max(width - 1, 0))
-        for s in range(0, hidden.shape[0], chunk):
-            h, rows = hidden[s : s + chunk], slice(s, s + chunk)
-            gz = logits_grad_(
-                chunk_logits(h, weight, t).sub_(lse[rows, None]),
-                g_logp[rows],
-                local_t[rows],
-                t,
-                g_ent=g_ent[rows] if ent is not None else None,
-                ent=ent[rows] if ent is not None else None,
-                in_rows=own[rows],
-            )
-            if need_h:
-                g_hidden[rows] = torch.matmul(gz.to(weight.dtype), weight).to(hidden.dtype)
-            if need_w:
-                g_weight.addmm_(gz.t(), h.float())
-        return g_hidden, (g_weight.to(weight.dtype) if need_w else None), None, None, None, None, None, None
+        g_hidden = slice_grads(hidden, weight, targets, ctx.vocab_start, lse, g_logp.float(), ctx.temperature,
+                               ctx.chunk, g_ent=g_ent.float() if ent is not None else None, ent=ent, g_weight=g_weight)
+        g_w = g_weight.to(weight.dtype) if need_w else None
+        return (g_hidden.to(hidden.dtype) if need_h else None), g_w, None, None, None, None, None, None
 
 
 def head_logprobs(
@@ -151,17 +111,9 @@ def head_logprobs(
             hidden, w, targets, temperature=temperature, chunk_size=chunk, with_entropy=with_entropy
         )
     if not torch.is_grad_enabled() or not (hidden.requires_grad or w.requires_grad):
-        n = hidden.shape[0]
-        logp = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        ent = torch.empty(n, dtype=torch.float32, device=hidden.device) if with_entropy else None
         with torch.no_grad():
-            for s in range(0, n, chunk):
-                lp, en, _ = _chunk_stats(
-                    hidden[s : s + chunk], w, targets[s : s + chunk], vocab_start, temperature, group, with_entropy
-                )
-                logp[s : s + chunk] = lp
-                if ent is not None:
-                    ent[s : s + chunk] = en
+            logp, ent, _ = slice_stats(hidden, w, targets, vocab_start, temperature, chunk, with_entropy,
+                                       _reducer(group))
         return logp, ent
     if hidden.requires_grad and sum_hidden_grad:  # each rank's slice adds to the hidden states' gradient
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
