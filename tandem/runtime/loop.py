@@ -53,7 +53,7 @@ from tandem.runtime.checkpoint import (
 from tandem.runtime.config import RunConfig
 from tandem.runtime.engine_wire import EngineProcessError
 from tandem.runtime.evaluation import Evaluator
-from tandem.runtime.metrics import process_metrics, rollout_metrics
+from tandem.runtime.metrics import process_metrics, rollout_metrics, speculation_metrics
 from tandem.runtime.pending import decode_groups
 from tandem.runtime.policy import (
     merge_mini_batch_metrics,
@@ -497,21 +497,10 @@ class Run:
     # -- bookkeeping ----------------------------------------------------------------------------------
 
     def _speculation_metrics(self) -> dict[str, float]:
-        """With ``rollout.speculative``: this step's acceptance rate, mean accepted draft tokens and tokens per
-        target pass, from the engine's counters (since the last step)."""
+        """With ``rollout.speculative``: this step's speculation figures (`speculation_metrics`)."""
         if self.cfg.rollout.speculative is None:
             return {}
-        health = self.engine.health()
-        now = {k: float(health.get(f"spec_{k}") or 0) for k in ("passes", "drafted", "accepted", "emitted")}
-        last, self._spec_counts = getattr(self, "_spec_counts", dict.fromkeys(now, 0.0)), now
-        d = {k: now[k] - last[k] for k in now}
-        out = {"rollout/spec_passes": d["passes"],
-               "rollout/spec_acceptance_rate": d["accepted"] / d["drafted"] if d["drafted"] else 0.0,
-               "rollout/spec_mean_accepted": d["accepted"] / d["passes"] if d["passes"] else 0.0,
-               "rollout/spec_tokens_per_pass": d["emitted"] / d["passes"] if d["passes"] else 0.0}
-        for key in ("spec_head_loss", "spec_head_token_accuracy", "spec_head_expected_acceptance"):  # draft_head
-            if isinstance(health.get(key), int | float):
-                out[f"rollout/{key}"] = float(health[key])
+        out, self._spec_counts = speculation_metrics(self.engine.health(), getattr(self, "_spec_counts", None))
         return out
 
     def _finish_step(self, step: int, metrics: dict[str, float], samples: Sequence[Sample], t0: float, *,

@@ -11,7 +11,7 @@ import numpy as np
 
 from tandem.core.sample import Sample, SampleStatus
 
-__all__ = ["process_metrics", "rollout_metrics", "staleness_metrics"]
+__all__ = ["process_metrics", "rollout_metrics", "speculation_metrics", "staleness_metrics"]
 
 
 def process_metrics() -> dict[str, float]:
@@ -73,3 +73,20 @@ def staleness_metrics(samples: Sequence[Sample], version: int) -> dict[str, floa
     if not lags:
         return {}
     return {"async/staleness_mean": float(np.mean(lags)), "async/staleness_max": float(max(lags))}
+
+
+def speculation_metrics(health: dict, last: dict[str, float] | None) -> tuple[dict[str, float], dict[str, float]]:
+    """``(metrics, counters)``: a speculative engine's acceptance rate, mean accepted draft tokens and tokens per
+    target pass since ``last`` (the counters this returned the step before; None at the first step), from its
+    ``health()`` counters; and the draft head's training figures where it reports them."""
+    now = {k: float(health.get(f"spec_{k}") or 0) for k in ("passes", "drafted", "accepted", "emitted")}
+    last = last or dict.fromkeys(now, 0.0)
+    d = {k: now[k] - last[k] for k in now}
+    out = {"rollout/spec_passes": d["passes"],
+           "rollout/spec_acceptance_rate": d["accepted"] / d["drafted"] if d["drafted"] else 0.0,
+           "rollout/spec_mean_accepted": d["accepted"] / d["passes"] if d["passes"] else 0.0,
+           "rollout/spec_tokens_per_pass": d["emitted"] / d["passes"] if d["passes"] else 0.0}
+    for key in ("spec_head_loss", "spec_head_token_accuracy", "spec_head_expected_acceptance"):  # draft_head
+        if isinstance(health.get(key), int | float):
+            out[f"rollout/{key}"] = float(health[key])
+    return out, now

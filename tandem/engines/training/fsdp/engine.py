@@ -57,6 +57,7 @@ from tandem.engines.training.fsdp.parallel import (
     full_tensor,
     init_distributed,
     total_grad_norm,
+    visiting,
 )
 from tandem.engines.training.fsdp.vocab_parallel import can_shard_vocabulary, shard_vocabulary
 from tandem.models.attention import MoERouting
@@ -509,7 +510,7 @@ class FSDPEngine:
         if model == "ref":
             if self.ref is not None:
                 offloaded = self.config.ref.cpu_offload and not self.ctx.sharded
-                return self.ref, _visiting(self.ref, self.ctx.device) if offloaded else contextlib.nullcontext()
+                return self.ref, visiting(self.ref, self.ctx.device) if offloaded else contextlib.nullcontext()
             if self.config.ref is not None and self.config.lora is not None:
                 return self.policy.module, adapters_disabled(self.policy.module)
             raise ValueError("forward_logprobs(model='ref') but the engine has no reference (config.ref)")
@@ -589,16 +590,3 @@ class FSDPEngine:
     def _invariant(self) -> contextlib.AbstractContextManager:
         """Deterministic mode: batch-invariant ops (tandem.ops), the numerics of the embedded engine."""
         return batch_invariant_mode(self.config.deterministic)
-
-
-@contextlib.contextmanager
-def _visiting(module: nn.Module, device: torch.device):
-    """Bring a CPU-kept module to ``device`` for the enclosed forward, then back (no-op on CPU)."""
-    if device.type == "cpu":
-        yield
-        return
-    module.to(device)
-    try:
-        yield
-    finally:
-        module.to("cpu")

@@ -10,6 +10,7 @@ caller created is never destroyed here.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Iterable, Sequence
@@ -27,7 +28,7 @@ from tandem.models.registry import DTYPES
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DistContext", "apply_fsdp", "enable_activation_checkpointing", "init_distributed"]
+__all__ = ["DistContext", "apply_fsdp", "enable_activation_checkpointing", "init_distributed", "visiting"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -229,3 +230,16 @@ def total_grad_norm(params: Sequence[nn.Parameter]) -> torch.Tensor:
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()
     return norm
+
+
+@contextlib.contextmanager
+def visiting(module: nn.Module, device: torch.device):
+    """Bring a CPU-kept module to ``device`` for the enclosed forward, then back (no-op on CPU)."""
+    if device.type == "cpu":
+        yield
+        return
+    module.to(device)
+    try:
+        yield
+    finally:
+        module.to("cpu")
