@@ -43,14 +43,14 @@ def single_process():
     """The same two steps (`workers.two_steps`) on one rank, per model; computed once."""
     cache: dict[str, dict] = {}
 
-    def run(model: str, dtype: str, lora: bool) -> dict:
-        if (model, dtype, lora) not in cache:
+    def run(model: str, dtype: str, lora: bool, shared: bool = False) -> dict:
+        if (model, dtype, lora, shared) not in cache:
             engine = MegatronEngine(workers.config(model, dtype=dtype, lora=lora))
             try:
-                cache[model, dtype, lora] = workers.two_steps(engine)
+                cache[model, dtype, lora, shared] = workers.two_steps(engine, shared)
             finally:
                 engine.close()
-        return cache[model, dtype, lora]
+        return cache[model, dtype, lora, shared]
 
     return run
 
@@ -58,7 +58,8 @@ def single_process():
 @pytest.mark.parametrize("case", list(workers.CASES))
 def test_parallel_step_equals_single_process(spawned, single_process, case):
     model, parallel = workers.CASES[case]
-    ref = single_process(model, parallel.get("dtype", "float32"), parallel.get("lora", False))
+    ref = single_process(model, parallel.get("dtype", "float32"), parallel.get("lora", False),
+                         parallel.get("shared", False))
     for rank in spawned:
         got = rank[case]
         if case.startswith(("dp2", "ep2")):

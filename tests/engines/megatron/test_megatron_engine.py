@@ -25,6 +25,7 @@ from tandem.engines.training.megatron.attention import _causal  # noqa: E402
 from tandem.models import ModelConfig, load_model, resolve_model  # noqa: E402
 
 from ..training.helpers import (  # noqa: E402
+    GROUPED,
     EntropyBonusLoss,
     NaNOnCall,
     global_scale,
@@ -410,3 +411,30 @@ def test_engine_with_either_attention_gives_the_same_logprobs_and_step(build):
     assert (a2 - b2).abs().max() < 1e-5  # after the step
     with pytest.raises(ValueError, match="attention='flash': choose 'sdpa' or 'megatron'"):
         build("tiny-qwen2", attention="flash")
+
+
+# -- shared prompts (pipeline.py: pad_rows) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-llama"])
+def test_shared_prompts_give_the_log_probs_and_step_of_separate_rows(build, name):
+    """A group's prompt fed once (one row: the prompt, then each response attending to it and to itself, at
+    its own positions) gives the log-probs, entropy, gradients and weights of the rows fed separately."""
+    batch = make_batch(GROUPED, shared_prompts=True, seed=5)
+    results = []
+    for share in (True, False):
+        engine = build(name, share_prompts=share, micro_batch_tokens=40)
+        plan = [list(range(batch.batch_size))]
+        shared = [sb for _, sb in engine._stage_batches(batch, plan)]
+        # sharing: 4 rows of a prompt and two responses (5 + 6 + 11 fed tokens at most); otherwise the 8 rows
+        assert [tuple(sb.input_ids.shape) for sb in shared] == ([(4, 22)] if share else [(8, 16)])
+        assert all(sb.rotary_at_positions == share for sb in shared)
+        lp = engine.forward_logprobs(batch, with_entropy=True)
+        metrics = engine.train_step(batch, token_mean_pg)
+        results.append((lp, metrics, sync_weights(engine)))
+        engine.close()
+    (a, ma, wa), (b, mb, wb) = results
+    assert (a.log_probs - b.log_probs).abs().max() < 1e-5 and (a.entropy - b.entropy).abs().max() < 1e-5
+    assert a.log_probs.abs().sum() > 0
+    assert abs(ma["train/grad_norm"] - mb["train/grad_norm"]) < 1e-5 * mb["train/grad_norm"]
+    assert max_abs_diff(wa, wb) < 1e-6

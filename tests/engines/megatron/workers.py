@@ -19,7 +19,7 @@ from tandem.engines.training.megatron import (
 )
 from tandem.models import ModelConfig
 
-from ..training.helpers import NaNOnCall, make_batch, sync_weights, token_mean_pg
+from ..training.helpers import GROUPED, NaNOnCall, make_batch, sync_weights, token_mean_pg
 
 OPT = OptimizerConfig(lr=1e-3, eps=1e-4, grad_clip=1.0, weight_decay=0.01)  # eps: see test_fsdp_engine
 LORA = LoRAConfig(rank=4, alpha=8.0, sync="adapter",
@@ -38,11 +38,15 @@ CASES: dict[str, tuple[str, dict]] = {
     # LoRA (megatron/lora.py): adapters sharded like their layers, summed over TP; the export is the adapters
     "tp2-qwen2-lora": ("tiny-qwen2", {"tensor_parallel": 2, "lora": True}),
     "pp2-llama-tied-lora": ("tiny-llama", {"pipeline_parallel": 2, "lora": True}),
+    # prompts fed once (pipeline.py: pad_rows): block masks and per-token rotary positions on every layout
+    "tp2-qwen2-shared": ("tiny-qwen2", {"tensor_parallel": 2, "shared": True}),
+    "pp2-llama-tied-shared": ("tiny-llama", {"pipeline_parallel": 2, "shared": True}),
+    "dp2-qwen3-shared": ("tiny-qwen3", {"shared": True}),
 }
 RESUMED = ("tp2-qwen2", "dp2-zero-qwen3", "tp2-qwen2-lora")
 
 
-def config(model: str, dtype: str = "float32", lora: bool = False, **parallel) -> MegatronConfig:
+def config(model: str, dtype: str = "float32", lora: bool = False, shared: bool = False, **parallel) -> MegatronConfig:
     return MegatronConfig(
         model=ModelConfig(name=model, dtype=dtype),
         lora=LORA if lora else None,
@@ -53,9 +57,10 @@ def config(model: str, dtype: str = "float32", lora: bool = False, **parallel) -
     )
 
 
-def two_steps(engine: MegatronEngine) -> dict:
-    """Metrics of two steps, the weights after them and the log-probs of this rank's rows."""
-    first, second = make_batch(seed=0), make_batch(seed=1)
+def two_steps(engine: MegatronEngine, shared: bool = False) -> dict:
+    """Metrics of two steps, the weights after them and the log-probs of this rank's rows. ``shared``: GRPO-like
+    batches whose row pairs share a prompt (fed once: pipeline.py, `pad_rows`)."""
+    first, second = (make_batch(GROUPED, seed=s, shared_prompts=True) if shared else make_batch(seed=s) for s in (0, 1))
     rows = engine.local_rows(first)
     m1 = engine.train_step(first.select(rows), token_mean_pg)
     m2 = engine.train_step(second.select(engine.local_rows(second)), token_mean_pg)
@@ -176,7 +181,7 @@ def all_layouts(rank: int, world: int, out_dir: str) -> None:
     results: dict = {"head": head_tp(rank)}
     for name, (model, parallel) in CASES.items():
         engine = MegatronEngine(config(model, **parallel))
-        results[name] = two_steps(engine)
+        results[name] = two_steps(engine, parallel.get("shared", False))
         results[name]["dp_size"] = engine.dp_size
         engine.close()
     for name in RESUMED:

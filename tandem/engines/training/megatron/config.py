@@ -77,6 +77,9 @@ class MegatronConfig:
     # the local spec's core attention: torch SDPA (fused, memory linear in the sequence; attention.py) or
     # Megatron's DotProductAttention (materialises [b, heads, s, s] scores)
     attention: Literal["sdpa", "megatron"] = "sdpa"
+    # rows that share a prompt (a GRPO group) feed it once, in one row with a block mask (with `attention: sdpa`
+    # on the local spec; common/prompts.py, pipeline.py: pad_rows)
+    share_prompts: bool = True
     vocab_divisible_by: int = 128  # Megatron pads the vocabulary to a multiple of this x tensor_parallel
     deterministic: bool = False
     device: Literal["auto", "cpu", "cuda"] = "auto"

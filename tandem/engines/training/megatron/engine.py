@@ -56,8 +56,9 @@ from tandem.engines.training.megatron.pipeline import (
     StageBatch,
     StageLink,
     gpipe,
-    pad_micro_batch,
     stage_forward,
+    stage_shape,
+    to_stage_batch,
 )
 from tandem.models.registry import DTYPES, resolve_model
 from tandem.models.vector_math import warm_vector_math
@@ -127,6 +128,8 @@ class MegatronEngine:
         self._asleep = False
         self._closed = False
         self.transformer_engine = self._use_transformer_engine()
+        # prompts fed once per group: the local spec's SDPA takes their block masks (pipeline.py: `pad_rows`)
+        self._share = config.share_prompts and not self.transformer_engine and config.attention == "sdpa"
         self._seed_rng(config.seed)
         self.policy = self._build(config.model.name)
         if config.lora is not None:  # adapters on the policy's linear layers; the base frozen (megatron/lora.py)
@@ -243,7 +246,7 @@ class MegatronEngine:
 
     def local_rows(self, batch: TrainBatch) -> list[int]:
         """The rows of a global ``batch`` that this rank's data-parallel replica trains on."""
-        return split_for_data_parallel(batch, self.ctx.dp_size)[self.ctx.dp_rank]
+        return split_for_data_parallel(batch, self.ctx.dp_size, share_prompts=self._share)[self.ctx.dp_rank]
 
     def _check(self, batch: TrainBatch) -> None:
         check_batch(
@@ -286,19 +289,19 @@ class MegatronEngine:
         pieces = []
         for k in range(count):
             sub = batch.select(plan[k]) if k < len(plan) else None
-            mb = make_micro_batch(sub, packed=False) if sub is not None else None
+            mb = make_micro_batch(sub, packed=self._share, share_prompts=self._share) if sub is not None else None
             if mb is None or not mb.targets.numel():
-                sub, mb = None, dummy_micro_batch(packed=False, pad_token_id=batch.pad_token_id)
+                sub, mb = None, dummy_micro_batch(packed=self._share, pad_token_id=batch.pad_token_id)
             pieces.append((sub, mb))
-        shapes = torch.tensor([tuple(mb.input_ids.shape) for _, mb in pieces])  # [count, 2]
+        shapes = torch.tensor([stage_shape(mb) for _, mb in pieces])  # [count, 2]
         if self.ctx.ep_size > 1:
             shapes = self.ctx.all_reduce(shapes, "max")
         out = []
         for (sub, mb), (rows, length) in zip(pieces, shapes.tolist(), strict=True):
             if self.config.parallel.sequence_parallel:
                 length = math.ceil(length / self.ctx.tp_size) * self.ctx.tp_size
-            out.append((sub, pad_micro_batch(mb, rows, length, batch.pad_token_id, self.ctx.device,
-                                             mask=self.transformer_engine or self.config.attention != "sdpa")))
+            out.append((sub, to_stage_batch(mb, rows, length, batch.pad_token_id, self.ctx.device,
+                                            mask=self.transformer_engine or self.config.attention != "sdpa")))
         return out
 
     # -- forward pieces -------------------------------------------------------------------------------
@@ -359,7 +362,7 @@ class MegatronEngine:
         warm_vector_math(self.ctx.device)  # Megatron's own rotary table: tandem/models/vector_math.py
         built = self._module_for(model)
         self._check(batch)
-        plan = plan_micro_batches(batch, self.config.micro_batch_tokens)
+        plan = plan_micro_batches(batch, self.config.micro_batch_tokens, share_prompts=self._share)
         width = int(batch.loss_mask.shape[1])
         out = torch.zeros(2, batch.batch_size, width)  # log-probs, entropy
         stage_batches = self._stage_batches(batch, plan)
@@ -402,7 +405,7 @@ class MegatronEngine:
         built = self._module_for("policy")
         self._check(batch)
         scale = global_loss_scale(batch, lambda t, op: self.ctx.all_reduce(t, op, "dp"))
-        plan = plan_micro_batches(batch, self.config.micro_batch_tokens)
+        plan = plan_micro_batches(batch, self.config.micro_batch_tokens, share_prompts=self._share)
         stage_batches = self._stage_batches(batch, plan)
         built.module.train()
         self.optim.zero_grad()

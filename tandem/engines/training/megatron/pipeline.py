@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from tandem.engines.training.common import MicroBatch
 
-__all__ = ["HeadInput", "StageBatch", "StageLink", "gpipe", "pad_micro_batch", "stage_forward"]
+__all__ = ["HeadInput", "StageBatch", "StageLink", "gpipe", "pad_micro_batch", "pad_rows", "stage_forward",
+           "stage_shape", "to_stage_batch"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -43,6 +44,7 @@ class StageBatch:
     select: torch.Tensor  # [M] int64 into the flattened [b * L] positions
     targets: torch.Tensor  # [M] int64
     source: MicroBatch  # the unpadded micro-batch (scatter back to response space)
+    rotary_at_positions: bool = False  # rotary angles from position_ids (shared prompts), not the column index
 
 
 def pad_micro_batch(
@@ -70,6 +72,91 @@ def pad_micro_batch(
         targets=mb.targets.to(device),
         source=mb,
     )
+
+
+def stage_shape(mb: MicroBatch) -> tuple[int, int]:
+    """``(rows, length)`` of ``mb`` as a stage runs it: its padded rows, or one row per block of a packed one."""
+    if mb.packed:
+        sizes = mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]
+        return len(sizes), int(sizes.max())
+    return tuple(mb.input_ids.shape)
+
+
+def to_stage_batch(
+    mb: MicroBatch, rows: int, length: int, pad_token_id: int, device: torch.device, *, mask: bool = True
+) -> StageBatch:
+    """`pad_rows` for a packed micro-batch, `pad_micro_batch` for a padded one."""
+    if mb.packed:
+        return pad_rows(mb, rows, length, pad_token_id, device)
+    return pad_micro_batch(mb, rows, length, pad_token_id, device, mask=mask)
+
+
+def pad_rows(mb: MicroBatch, rows: int, length: int, pad_token_id: int, device: torch.device) -> StageBatch:
+    """A packed micro-batch as right-padded rows ``[rows, length]``: one row per block of ``cu_seqlens``.
+
+    With shared prompts (``mb.layout``, common/prompts.py) a block is a prompt followed by the responses that
+    share it, each token at its position in its own sequence (a response continues at the prompt's length),
+    and the mask (``[rows, 1, L, L]``, True = masked out) lets a response attend to the prompt and to its own
+    earlier tokens only: the attention of the separate sequences. Without a layout a block is one sequence
+    starting at column 0 and no mask is needed (causal). Pad tokens attend to pad tokens only.
+    """
+    starts = mb.cu_seqlens[:-1]
+    sizes = mb.cu_seqlens[1:] - starts
+    if rows < len(sizes) or length < int(sizes.max()):
+        raise ValueError(f"cannot lay {len(sizes)} blocks of up to {int(sizes.max())} tokens into [{rows}, {length}]")
+    n = mb.num_tokens
+    row = torch.repeat_interleave(torch.arange(len(sizes)), sizes)
+    dest = row * length + torch.arange(n) - starts[row]  # [N]: a packed token's place in the flat rows
+    ids = torch.full((rows * length,), pad_token_id, dtype=torch.long)
+    ids[dest] = mb.input_ids
+    positions = torch.zeros(rows * length, dtype=torch.long)
+    positions[dest] = mb.positions
+    mask = None
+    if mb.layout is not None:
+        piece = torch.full((rows * length,), -1, dtype=torch.long)  # pads: a piece of their own
+        prefix = torch.zeros(rows * length, dtype=torch.bool)
+        own = torch.empty(n, dtype=torch.long)
+        is_prefix = torch.zeros(n, dtype=torch.bool)
+        for g, (s, k) in enumerate(mb.layout.prefixes):
+            own[s : s + k], is_prefix[s : s + k] = g, True
+        for j, (s, k, _) in enumerate(mb.layout.suffixes):
+            own[s : s + k] = len(mb.layout.prefixes) + j
+        piece[dest], prefix[dest] = own, is_prefix
+        piece, prefix = piece.view(rows, length), prefix.view(rows, length)
+        col = torch.arange(length)
+        allowed = (col[:, None] >= col[None, :])[None] & (
+            (piece[:, :, None] == piece[:, None, :]) | prefix[:, None, :]
+        )
+        mask = (~allowed)[:, None].to(device)
+    return StageBatch(
+        input_ids=ids.view(rows, length).to(device),
+        position_ids=positions.view(rows, length).to(device),
+        attention_mask=mask,
+        select=dest[mb.select].to(device),
+        targets=mb.targets.to(device),
+        source=mb,
+        rotary_at_positions=mb.layout is not None,
+    )
+
+
+@contextlib.contextmanager
+def _rotary_at(module, positions: torch.Tensor) -> Iterator[None]:
+    """Rotary angles of ``positions [b, L]`` (``[L, b, 1, dim]``) instead of Megatron's per-column table
+    (``[L, 1, 1, dim]``; its RoPE broadcasts over the batch either way)."""
+    rope = getattr(module, "rotary_pos_emb", None)
+    if rope is None:  # a stage without rotary embeddings
+        yield
+        return
+
+    def forward(max_seq_len, offset=0, packed_seq=False, cp_group=None):
+        table = rope.get_emb(int(positions.max()) + 1)  # [P, 1, 1, dim]
+        return table[:, 0][positions.t()]
+
+    rope.forward = forward  # an instance attribute: nn.Module.__call__ runs it
+    try:
+        yield
+    finally:
+        del rope.forward
 
 
 @dataclass(slots=True)
@@ -112,7 +199,8 @@ def stage_forward(
     if not first:
         module.set_input_tensor(input_tensor)
     sink: dict = {}
-    with _head_input(module, batch.select, sink) if last else contextlib.nullcontext():
+    with (_head_input(module, batch.select, sink) if last else contextlib.nullcontext(),
+          _rotary_at(module, batch.position_ids) if batch.rotary_at_positions else contextlib.nullcontext()):
         out = module(
             input_ids=batch.input_ids if first else None,
             position_ids=batch.position_ids,
