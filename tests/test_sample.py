@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from tandem.core import Sample, SampleValidationError, TrainBatch, partition_by_token_budget, response_index
+from tandem.core import (
+    Sample,
+    SampleValidationError,
+    TrainBatch,
+    partition_by_token_budget,
+    partition_padded,
+    response_index,
+)
 
 
 def _sample(prompt, response, **kw):
@@ -78,3 +85,13 @@ def test_partition_by_token_budget():
     assert len(parts) == 4  # 34 tokens need at least 4 bins of 10
     with pytest.raises(ValueError, match="sequence 1 has 9 tokens, more than the micro-batch token budget 8"):
         partition_by_token_budget(lengths, 8)
+
+
+def test_partition_padded_bounds_rows_times_the_longest():
+    lengths = [5, 9, 3, 7, 2, 8, 9]
+    parts = partition_padded(lengths, 20)
+    assert sorted(i for p in parts for i in p) == list(range(7))
+    assert all(len(p) * max(lengths[i] for i in p) <= 20 for p in parts)
+    assert parts == [[1, 6], [3, 5], [0, 2, 4]]  # 9+9; 8+7 (a third row would pad to 3 x 8); 5+3+2
+    with pytest.raises(ValueError, match="sequence 1 has 9 tokens, more than the micro-batch token budget 8"):
+        partition_padded(lengths, 8)

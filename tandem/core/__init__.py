@@ -7,7 +7,7 @@ from tandem.core.advantages import (
     compute_advantages,
 )
 from tandem.core.algorithm import ALGORITHM_PRESETS, AlgorithmConfig, algorithm_preset
-from tandem.core.batch import TrainBatch, partition_by_token_budget, response_index
+from tandem.core.batch import TrainBatch, partition_by_token_budget, partition_padded, response_index
 from tandem.core.filters import FilterConfig, filter_groups, filter_samples, nonfinite_reward_rows
 from tandem.core.kl import KLConfig
 from tandem.core.losses import (
@@ -72,6 +72,7 @@ __all__ = [
     "loss_scale_from_masks",
     "nonfinite_reward_rows",
     "partition_by_token_budget",
+    "partition_padded",
     "reduce_micro_batch_metrics",
     "response_index",
 ]

@@ -22,7 +22,7 @@ import torch
 
 from tandem.core.sample import Sample, SampleValidationError
 
-__all__ = ["TrainBatch", "partition_by_token_budget", "response_index"]
+__all__ = ["TrainBatch", "partition_by_token_budget", "partition_padded", "response_index"]
 
 # Response-space fields: [B, R] float tensors, padded with zeros.
 _RESPONSE_FIELDS = (
@@ -179,6 +179,29 @@ def response_index(prompt_lengths: torch.Tensor, response_width: int) -> torch.T
     """
     j = torch.arange(response_width, device=prompt_lengths.device)
     return prompt_lengths[:, None] - 1 + j[None, :]
+
+
+def partition_padded(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Split rows into micro-batches whose padded size, rows x longest row, stays within ``max_tokens`` (for
+    engines that right-pad a micro-batch to ``[rows, longest]``): rows in decreasing length, each micro-batch
+    filled with as many as its first (longest) row allows. Row indices per micro-batch, each sorted ascending;
+    a row longer than the budget raises."""
+    if max_tokens <= 0:
+        raise ValueError(f"max_tokens={max_tokens} must be > 0")
+    for i, n in enumerate(lengths):
+        if n > max_tokens:
+            raise ValueError(
+                f"sequence {i} has {n} tokens, more than the micro-batch token budget {max_tokens}; "
+                f"raise the budget to at least {n}"
+            )
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
+    for i in order:
+        if bins and (len(bins[-1]) + 1) * max(lengths[bins[-1][0]], 1) <= max_tokens:
+            bins[-1].append(i)
+        else:
+            bins.append([i])
+    return [sorted(b) for b in bins]
 
 
 def partition_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:

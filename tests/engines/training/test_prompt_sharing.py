@@ -97,6 +97,9 @@ def test_plan_keeps_shared_rows_together_and_costs_the_prompt_once():
     assert plan_micro_batches(batch, 7, share_prompts=True) == [[0, 1], [3, 4], [2]]
     with pytest.raises(ValueError, match="sequence 0 has 6 tokens, more than the micro-batch token budget 5"):
         plan_micro_batches(batch, 5, share_prompts=True)
+    # padded (the Megatron engine: one row per unit, right-padded): the budget bounds rows x the longest row
+    assert plan_micro_batches(batch, 9, share_prompts=True, padded=True) == [[0, 1, 3], [2, 4]]  # 9; 2 x 4
+    assert plan_micro_batches(batch, 9, padded=True) == [[0], [3], [1, 2], [4]]  # 6; 5; 2 x 4; 2
 
 
 def test_data_parallel_split_keeps_units_on_one_rank():

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from tandem.core.batch import TrainBatch, partition_by_token_budget
+from tandem.core.batch import TrainBatch, partition_by_token_budget, partition_padded
 from tandem.core.losses import reduce_micro_batch_metrics
 from tandem.core.protocols import LossScale
 from tandem.engines.training.common.prompts import plan_shared, prompt_units, shared_layout, unit_cost
@@ -219,15 +219,17 @@ def check_batch(batch: TrainBatch, *, max_context: int, micro_batch_tokens: int)
 
 
 def plan_micro_batches(
-    batch: TrainBatch, micro_batch_tokens: int, *, share_prompts: bool = False
+    batch: TrainBatch, micro_batch_tokens: int, *, share_prompts: bool = False, padded: bool = False
 ) -> list[list[int]]:
     """Row indices per micro-batch: first-fit decreasing on sequence lengths under the token budget.
 
     ``share_prompts``: rows sharing a prompt stay together, costed with the prompt once (`plan_shared`).
+    ``padded``: the budget bounds rows x the longest row (an engine that right-pads: `partition_padded`).
     """
     if share_prompts:
-        return plan_shared(batch, micro_batch_tokens)
-    return partition_by_token_budget(batch.seq_lengths.tolist(), micro_batch_tokens)
+        return plan_shared(batch, micro_batch_tokens, padded=padded)
+    lengths = batch.seq_lengths.tolist()
+    return partition_padded(lengths, micro_batch_tokens) if padded else partition_by_token_budget(lengths, micro_batch_tokens)
 
 
 def local_loss_scale(batch: TrainBatch) -> torch.Tensor:

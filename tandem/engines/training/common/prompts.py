@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tandem.core.batch import TrainBatch, partition_by_token_budget
+from tandem.core.batch import TrainBatch, partition_by_token_budget, partition_padded
 from tandem.models.attention import PrefixLayout
 
 __all__ = ["plan_shared", "prompt_units", "shared_layout"]
@@ -46,12 +46,13 @@ def unit_cost(batch: TrainBatch, rows: Sequence[int]) -> int:
     return p + sum(int(lengths[i]) - p for i in rows)
 
 
-def plan_shared(batch: TrainBatch, max_tokens: int) -> list[list[int]]:
+def plan_shared(batch: TrainBatch, max_tokens: int, *, padded: bool = False) -> list[list[int]]:
     """Row indices per micro-batch, rows that share a prompt kept together under the token budget.
 
     First-fit decreasing over prompt units costed with the prompt once; a unit over the budget is cut
     into consecutive runs of rows that fit (each run holds the prompt once). Every row must fit alone
-    (`check_batch`).
+    (`check_batch`). ``padded``: each run is one row of a right-padded micro-batch (the Megatron engine),
+    and the budget bounds runs x the longest run (`partition_padded`).
     """
     if max_tokens <= 0:
         raise ValueError(f"max_tokens={max_tokens} must be > 0")
@@ -70,7 +71,8 @@ def plan_shared(batch: TrainBatch, max_tokens: int) -> list[list[int]]:
                 f"sequence {rows[0]} has {cost} tokens, more than the micro-batch token budget {max_tokens}; "
                 f"raise the budget to at least {cost}"
             )
-    bins = partition_by_token_budget([cost for cost, _ in pieces], max_tokens)  # first-fit decreasing
+    costs = [cost for cost, _ in pieces]
+    bins = partition_padded(costs, max_tokens) if padded else partition_by_token_budget(costs, max_tokens)
     return [sorted(row for k in b for row in pieces[k][1]) for b in bins]
 
 

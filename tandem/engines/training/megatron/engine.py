@@ -362,7 +362,7 @@ class MegatronEngine:
         warm_vector_math(self.ctx.device)  # Megatron's own rotary table: tandem/models/vector_math.py
         built = self._module_for(model)
         self._check(batch)
-        plan = plan_micro_batches(batch, self.config.micro_batch_tokens, share_prompts=self._share)
+        plan = plan_micro_batches(batch, self.config.micro_batch_tokens, share_prompts=self._share, padded=True)
         width = int(batch.loss_mask.shape[1])
         out = torch.zeros(2, batch.batch_size, width)  # log-probs, entropy
         stage_batches = self._stage_batches(batch, plan)
@@ -405,7 +405,7 @@ class MegatronEngine:
         built = self._module_for("policy")
         self._check(batch)
         scale = global_loss_scale(batch, lambda t, op: self.ctx.all_reduce(t, op, "dp"))
-        plan = plan_micro_batches(batch, self.config.micro_batch_tokens, share_prompts=self._share)
+        plan = plan_micro_batches(batch, self.config.micro_batch_tokens, share_prompts=self._share, padded=True)
         stage_batches = self._stage_batches(batch, plan)
         built.module.train()
         self.optim.zero_grad()
