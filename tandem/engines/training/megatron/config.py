@@ -56,8 +56,8 @@ class MegatronRefConfig:
 class MegatronConfig:
     """Everything the Megatron engine needs; the world size comes from the process group.
 
-    ``micro_batch_tokens`` bounds the tokens (summed sequence lengths) of one forward/backward; Megatron's
-    attention then sees the micro-batch right-padded to its longest row.
+    ``micro_batch_tokens`` bounds one forward/backward's tokens as Megatron sees them: right-padded, rows x the
+    longest row (a GRPO group with ``share_prompts`` is one row: its prompt and every response).
     ``layer_spec``: ``local`` is Megatron's own modules (runs on CPU), ``transformer_engine`` its fused
     TE modules (CUDA only), ``auto`` picks TE when CUDA and TE are both present.
     ``temperature`` scales logits before the log-softmax, like the inference engine's sampler.
