@@ -181,11 +181,8 @@ def response_index(prompt_lengths: torch.Tensor, response_width: int) -> torch.T
     return prompt_lengths[:, None] - 1 + j[None, :]
 
 
-def partition_padded(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Split rows into micro-batches whose padded size, rows x longest row, stays within ``max_tokens`` (for
-    engines that right-pad a micro-batch to ``[rows, longest]``): rows in decreasing length, each micro-batch
-    filled with as many as its first (longest) row allows. Row indices per micro-batch, each sorted ascending;
-    a row longer than the budget raises."""
+def _check_fits(lengths: Sequence[int], max_tokens: int) -> None:
+    """Raise unless ``max_tokens`` is positive and every row fits it alone."""
     if max_tokens <= 0:
         raise ValueError(f"max_tokens={max_tokens} must be > 0")
     for i, n in enumerate(lengths):
@@ -194,6 +191,14 @@ def partition_padded(lengths: Sequence[int], max_tokens: int) -> list[list[int]]
                 f"sequence {i} has {n} tokens, more than the micro-batch token budget {max_tokens}; "
                 f"raise the budget to at least {n}"
             )
+
+
+def partition_padded(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Split rows into micro-batches whose padded size, rows x longest row, stays within ``max_tokens`` (for
+    engines that right-pad a micro-batch to ``[rows, longest]``): rows in decreasing length, each micro-batch
+    filled with as many as its first (longest) row allows. Row indices per micro-batch, each sorted ascending;
+    a row longer than the budget raises."""
+    _check_fits(lengths, max_tokens)
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     bins: list[list[int]] = []
     for i in order:
@@ -211,14 +216,7 @@ def partition_by_token_budget(lengths: Sequence[int], max_tokens: int) -> list[l
     number of bins), returning row indices per micro-batch, each sorted ascending. A row longer than
     the budget raises: it can never fit.
     """
-    if max_tokens <= 0:
-        raise ValueError(f"max_tokens={max_tokens} must be > 0")
-    for i, n in enumerate(lengths):
-        if n > max_tokens:
-            raise ValueError(
-                f"sequence {i} has {n} tokens, more than the micro-batch token budget {max_tokens}; "
-                f"raise the budget to at least {n}"
-            )
+    _check_fits(lengths, max_tokens)
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
     bins: list[list[int]] = []
     room: list[int] = []
