@@ -82,7 +82,8 @@ class FSDPConfig:
 
     ``micro_batch_tokens`` bounds the tokens of one forward/backward (dynamic batch size): sequences
     are packed into micro-batches of at most that many tokens. ``packing = False`` (or a model the
-    native implementation does not cover) uses the HF model with padded micro-batches instead.
+    native implementation does not cover) uses the HF model with padded micro-batches instead, whose
+    rows x longest row the budget bounds.
     ``share_prompts`` (packed only): rows that share a prompt (a GRPO group) feed it once per
     micro-batch instead of once per row, and stay in one micro-batch; the same log-probs and gradients
     (bit for bit in deterministic mode) for fewer tokens. Off with ``routing_replay`` (a prompt's

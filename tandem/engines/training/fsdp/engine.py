@@ -533,7 +533,9 @@ class FSDPEngine:
         return native and self.config.share_prompts and not self.config.routing_replay
 
     def _plan(self, batch: TrainBatch, native: bool) -> list[list[int]]:
-        return plan_micro_batches(batch, self.config.micro_batch_tokens, share_prompts=self._share(native))
+        """Packed (native) micro-batches budget their tokens; padded ones (HF models) rows x the longest row."""
+        return plan_micro_batches(batch, self.config.micro_batch_tokens, share_prompts=self._share(native),
+                                  padded=not native)
 
     def _micro_batches(self, batch: TrainBatch, plan: list[list[int]], native: bool):
         """``(rows' sub-batch, MicroBatch)`` pairs, the micro-batch on the device.
