@@ -20,9 +20,8 @@ allocate a second dense one for the embedding and a third for their sum: 3 x 108
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 __all__ = [
@@ -136,12 +135,12 @@ def slice_stats(
     temperature: float,
     chunk: int,
     with_entropy: bool,
-    all_reduce: Callable[[torch.Tensor, str], torch.Tensor],
+    group,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """``(log p [n], entropy [n] or None, logsumexp [n])`` of ``targets`` (global ids) under a vocabulary split
     into slices over a group of ranks, every rank holding the same ``hidden [n, H]`` and its rows ``weight`` of
-    the projection, ids ``[start, start + rows)``. ``all_reduce(t, op)`` reduces ``t`` in place over the group
-    (``op``: ``"max"`` or ``"sum"``) and returns it; it is called twice whatever ``n``: each chunk's maximum,
+    the projection, ids ``[start, start + rows)``. Collective over the process ``group``: two all-reduces
+    whatever ``n`` (a max, then a sum): each chunk's maximum,
     exponential sum, target logit and ``sum e log e`` are kept per rank and combined at the end (each rank's
     sums rescaled to the global maximum), so the chunks take no collective of their own."""
     n, rows = hidden.shape[0], weight.shape[0]
@@ -157,10 +156,12 @@ def slice_stats(
         if with_entropy:  # sum e (z - m) = sum e log e: bounded by the logits' spread, not their level
             a[i : i + chunk] = e.xlogy_(e).sum(-1)
         del z, e
-    gm = all_reduce(m.clone(), "max")
+    gm = m.clone()
+    dist.all_reduce(gm, op=dist.ReduceOp.MAX, group=group)
     scale = torch.exp(m - gm)
     parts = [s * scale, zt] + ([scale * (a + (m - gm) * s)] if with_entropy else [])
-    total = all_reduce(torch.stack(parts), "sum")
+    total = torch.stack(parts)
+    dist.all_reduce(total, group=group)
     lse = gm + torch.log(total[0])
     logp = total[1] - lse
     # entropy = lse - sum p z = log S - sum_r scale_r (a_r + (m_r - gm) s_r) / S: no large terms cancel

@@ -85,9 +85,6 @@ def _mine(x: torch.Tensor, sizes: list[int], vs: VocabShard) -> torch.Tensor:
     return x[start : start + sizes[vs.rank]]
 
 
-_OPS = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
-
-
 def _all_reduce(x: torch.Tensor, vs: VocabShard, op=dist.ReduceOp.SUM) -> torch.Tensor:
     dist.all_reduce(x, op=op, group=vs.group)
     return x
@@ -149,8 +146,7 @@ class _LogProbs(torch.autograd.Function):
         sizes = _gather_sizes(hidden.shape[0], vs, hidden.device)
         h_all = _gather_rows(hidden.detach(), sizes, vs)
         t_all = _gather_rows(targets, sizes, vs)
-        logp, ent, lse = slice_stats(h_all, weight, t_all, vs.start, temperature, chunk, with_entropy,
-                                     lambda t, op: _all_reduce(t, vs, _OPS[op]))
+        logp, ent, lse = slice_stats(h_all, weight, t_all, vs.start, temperature, chunk, with_entropy, vs.group)
         ctx.save_for_backward(h_all, weight, t_all, lse, *([ent] if with_entropy else []))
         ctx.vs, ctx.sizes, ctx.main = vs, sizes, main
         ctx.temperature, ctx.chunk, ctx.with_entropy, ctx.hidden_dtype = temperature, chunk, with_entropy, hidden.dtype

@@ -40,22 +40,10 @@ from tandem.models.logprobs import slice_grads, slice_stats, token_logprobs
 __all__ = ["head_logprobs"]
 
 
-def _reducer(group):
-    """``all_reduce(t, op)`` over ``group`` for `slice_stats`."""
-    ops = {"max": dist.ReduceOp.MAX, "sum": dist.ReduceOp.SUM}
-
-    def reduce(t: torch.Tensor, op: str) -> torch.Tensor:
-        dist.all_reduce(t, op=ops[op], group=group)
-        return t
-
-    return reduce
-
-
 class _ChunkedHead(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, vocab_start, temperature, chunk, group, with_entropy):
-        logp, ent, lse = slice_stats(hidden, weight, targets, vocab_start, temperature, chunk, with_entropy,
-                                     _reducer(group))
+        logp, ent, lse = slice_stats(hidden, weight, targets, vocab_start, temperature, chunk, with_entropy, group)
         ctx.save_for_backward(hidden, weight, targets, lse, *([ent] if with_entropy else []))
         ctx.vocab_start, ctx.temperature, ctx.chunk, ctx.with_entropy = vocab_start, temperature, chunk, with_entropy
         return logp, (ent if with_entropy else logp.new_zeros(0))
@@ -112,8 +100,7 @@ def head_logprobs(
         )
     if not torch.is_grad_enabled() or not (hidden.requires_grad or w.requires_grad):
         with torch.no_grad():
-            logp, ent, _ = slice_stats(hidden, w, targets, vocab_start, temperature, chunk, with_entropy,
-                                       _reducer(group))
+            logp, ent, _ = slice_stats(hidden, w, targets, vocab_start, temperature, chunk, with_entropy, group)
         return logp, ent
     if hidden.requires_grad and sum_hidden_grad:  # each rank's slice adds to the hidden states' gradient
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
