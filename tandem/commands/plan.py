@@ -110,7 +110,9 @@ def _checked(args, arch, dev, wl, gpus):
                             etp=args.etp, offload=args.offload, activation_checkpointing=args.activation_checkpointing,
                             micro_batch_tokens=args.micro_batch_tokens or max(8192, wl.seq_len),
                             replicate=args.hsdp_replicate,
-                            recompute_pointwise=getattr(args, "recompute_pointwise", True))
+                            recompute_pointwise=getattr(args, "recompute_pointwise", True),
+                            # a recipe's setting, else what Tandem's Megatron engine runs: SP with TP > 1, none with LoRA
+                            sequence_parallel=getattr(args, "sequence_parallel", not args.lora))
     ep = args.inference_ep or (args.inference_tp if arch.moe else 1)
     replicas = args.replicas or max(1, rg // args.inference_tp)
     inference = InferenceLayout(engine=engine, tp=args.inference_tp, ep=ep, replicas=replicas,

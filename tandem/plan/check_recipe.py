@@ -50,6 +50,9 @@ def apply_recipe(args: argparse.Namespace) -> None:
             args.tp, args.pp, args.ep, args.etp = (par.tensor_parallel, par.pipeline_parallel, par.expert_parallel,
                                                     par.expert_tensor_parallel)
             args.activation_checkpointing = bool(tr.transformer_config.get("recompute_granularity"))
+            args.lora = tr.lora.rank if tr.lora is not None else 0
+            args.quantize_base = tr.lora.quantize_base.format if tr.lora is not None and tr.lora.quantize_base else None
+            args.sequence_parallel = par.sequence_parallel
     args.inference = cfg.inference.entry.name
     inf = cfg.inference.config
     if args.inference == "vllm" and inf is not None:

@@ -12,9 +12,13 @@ Assumptions (docs/plan.md has the derivations and the CPU calibration):
   keeps the sharded state on the host.
 * Megatron: bf16 weights, fp32 main gradients (6 B/param on the GPU, split by TP x PP, experts by EP x ETP x
   PP) and the fp32 master + Adam moments (12 B/param) sharded over the data-parallel group (distributed
-  optimizer) or on the host (`offload`, as slime's --optimizer-cpu-offload).
+  optimizer) or on the host (`offload`, as slime's --optimizer-cpu-offload). LoRA (dense models; megatron/lora.py):
+  the frozen base in bf16 split by TP x PP, no gradients or optimizer state for it; the adapters at 2 + 4 B/param
+  plus 12 / DP, sharded as the engine shards them (`megatron_lora_params`).
 * Activations of one micro-batch: `Arch.activation_width()` elements per token per layer in the compute
-  dtype, divided by TP (sequence parallel) and CP; with activation checkpointing, the layer inputs plus one
+  dtype, divided by TP (sequence parallel) and CP; Megatron without sequence parallelism (LoRA refuses it) keeps
+  4 hidden-sized tensors replicated on every TP rank (the norms' inputs and outputs: Korthikanti et al. 2022,
+  "Reducing Activation Recomputation in Large Transformer Models", without the dropout masks RL turns off); with activation checkpointing, the layer inputs plus one
   layer recomputed. Pipeline stages keep `pp` micro-batches in flight (1F1B).
 * Log-prob buffers: Tandem projects only response positions, `logprob_chunk` rows at a time (FSDP): chunk x
   vocab fp32 logits, softmax and gradient (3 buffers) plus two vocab x hidden fp32 buffers (the LM head's
@@ -36,7 +40,7 @@ from tandem.plan.archs import Arch
 from tandem.plan.hardware import GIB, Device
 
 __all__ = ["BASE_BYTES", "InferenceLayout", "TrainerLayout", "Workload", "host_bytes", "inference_memory",
-           "kv_budget", "quantized_base_params", "trainer_memory"]
+           "kv_budget", "megatron_lora_params", "megatron_sequence_parallel", "quantized_base_params", "trainer_memory"]
 
 GPU_TRAINER_OVERHEAD = 3.0 * GIB  # CUDA context, NCCL buffers, allocator slack
 GPU_ENGINE_OVERHEAD = 4.0 * GIB  # vLLM / SGLang CUDA graphs, activations, communication buffers
@@ -95,6 +99,9 @@ class TrainerLayout:
     recompute_pointwise: bool = True  # FSDP: trainer.fsdp.recompute_pointwise (the native model keeps less)
     micro_batch_tokens: int = 8192
     replicate: int = 1  # FSDP: HSDP replicas (the state is sharded over gpus / replicate)
+    # Megatron: activations outside attention / MLP split over TP (with TP > 1); LoRA runs without it
+    # (`megatron_sequence_parallel`)
+    sequence_parallel: bool = True
 
     @property
     def dp(self) -> int:
@@ -132,6 +139,21 @@ def lora_params(arch: Arch, rank: int) -> int:
     return arch.layers * per_layer
 
 
+def megatron_lora_params(arch: Arch, rank: int, tp: int, pp: int = 1) -> int:
+    """Adapter parameters one Megatron rank holds (megatron/lora.py): on the column-parallel layers (q/k/v, gate/up)
+    ``A`` whole and ``B`` split over TP, on the row-parallel ones (o, down) ``A`` split and ``B`` whole; a stage's
+    share of the layers. With ``tp = pp = 1`` this is `lora_params`."""
+    h, q, kv, m = arch.hidden, arch.heads * arch.head_dim, arch.kv_heads * arch.head_dim, arch.intermediate
+    per_layer = rank * (7 * h + (2 * q + 2 * kv + 3 * m) / tp)
+    return int(-(-arch.layers // pp) * per_layer)
+
+
+def megatron_sequence_parallel(wl: Workload, lay: TrainerLayout) -> bool:
+    """Whether a Megatron layout splits the activations outside attention and MLP over TP: with TP > 1 as asked,
+    except with LoRA, which Tandem's Megatron engine runs without sequence parallelism (it refuses it)."""
+    return lay.engine == "megatron" and lay.tp > 1 and lay.sequence_parallel and not wl.lora_rank
+
+
 def quantized_base_params(arch: Arch) -> int:
     """Weights a QLoRA base holds quantized: the `nn.Linear` layers `tandem.kernels.DEFAULT_TARGETS` names (q, k,
     v, o and the dense and shared MLPs; MLA: o_proj, and q_proj without a q LoRA). Routed experts stay in the
@@ -162,10 +184,12 @@ def _activations(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> t
     tokens = min(lay.micro_batch_tokens, _tokens_per_rank(wl, lay.dp)) / lay.cp
     b = _dtype_bytes(dev)
     layers = -(-arch.layers // lay.pp)
-    per_layer = activation_width(arch, lay) * tokens * b / lay.tp
+    width = activation_width(arch, lay)
+    split = lay.tp > 1 and lay.engine == "megatron" and not megatron_sequence_parallel(wl, lay)  # norms' whole
+    per_layer = ((4 * arch.hidden + (width - 4 * arch.hidden) / lay.tp) if split else width / lay.tp) * tokens * b
     in_flight = min(lay.pp, max(1, _tokens_per_rank(wl, lay.dp) // max(1, lay.micro_batch_tokens)))
     if lay.activation_checkpointing:  # stored layer inputs per micro-batch in flight + one layer recomputed
-        return in_flight * layers * tokens * arch.hidden * b / lay.tp + per_layer, tokens
+        return in_flight * layers * tokens * arch.hidden * b / (1 if split else lay.tp) + per_layer, tokens
     return in_flight * layers * per_layer, tokens
 
 
@@ -174,7 +198,7 @@ def host_bytes(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> flo
     if not lay.offload or dev.is_cpu:
         return 0.0
     if lay.engine == "megatron":
-        state = _megatron_state(arch, wl, replace(lay, offload=False))
+        state = _megatron_state(arch, dev, wl, replace(lay, offload=False))
         return state["optimizer"]
     return sum(_fsdp_state(arch, dev, wl, replace(lay, offload=False, gpus=lay.gpus)).get(k, 0.0)
                for k in ("weights", "gradients", "optimizer"))
@@ -233,24 +257,32 @@ def _fsdp_state(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> di
     return items
 
 
-def _megatron_state(arch: Arch, wl: Workload, lay: TrainerLayout) -> dict[str, float]:
+def _megatron_state(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> dict[str, float]:
+    """bf16 on GPUs: 2 B weights, 4 B gradients, 12 B master + moments; fp32 on a CPU (Tandem's CPU recipes): 4 B
+    weights, 4 B gradients and 8 B of moments (an fp32 parameter is its own master, megatron/optim.py)."""
+    b = _dtype_bytes(dev)
+    opt_b = 12 if b == 2 else 8
     emb_table = arch.vocab * arch.hidden
     body = (arch.dense_params() - arch.embedding_params()) / (lay.tp * lay.pp)
     dense = body + emb_table / lay.tp  # an end stage holds one table (first: embedding, last: LM head)
     experts = arch.expert_params() / (lay.ep * lay.etp * lay.pp)
     dense_dp = max(1, lay.gpus // (lay.tp * lay.pp))  # distributed optimizer shards over DP x CP
     expert_dp = max(1, lay.gpus // (lay.ep * lay.etp * lay.pp))
-    opt = 0.0 if lay.offload else 12 * (dense / dense_dp + experts / expert_dp)
-    items = {"weights": 2 * (dense + experts), "gradients": 4 * (dense + experts), "optimizer": opt}
+    if wl.lora_rank:  # the base frozen (no gradients, no optimizer state); the adapters train (dense models)
+        adapters = megatron_lora_params(arch, wl.lora_rank, lay.tp, lay.pp)
+        return {"weights": b * (dense + experts + adapters), "gradients": 4 * adapters,
+                "optimizer": 0.0 if lay.offload else opt_b * adapters / dense_dp}  # the reference is the base
+    opt = 0.0 if lay.offload else opt_b * (dense / dense_dp + experts / expert_dp)
+    items = {"weights": b * (dense + experts), "gradients": 4 * (dense + experts), "optimizer": opt}
     if wl.ref:
-        items["reference"] = 2 * (dense + experts)
+        items["reference"] = b * (dense + experts)
     return items
 
 
 def trainer_memory(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> dict[str, float]:
     """Itemised peak bytes on one trainer GPU (one process on a CPU) during a training step."""
     if lay.engine == "megatron":
-        items = _megatron_state(arch, wl, lay)
+        items = _megatron_state(arch, dev, wl, lay)
     else:
         items = _fsdp_state(arch, dev, wl, lay)
     act, tokens = _activations(arch, dev, wl, lay)

@@ -5,8 +5,9 @@ Choices and their reasons:
 
 * trainer: FSDP2 for dense models and small MoEs (no model parallelism to tune; Tandem's native model
   packs sequences); Megatron when an MoE has >= 20B parameters (expert parallelism) or when FSDP needs more
-  than its memory allows without offload. LoRA is planned on FSDP only: the Megatron engine trains LoRA too
-  (dense models, megatron/lora.py), but the memory model here does not cover its adapters.
+  than its memory allows without offload. LoRA: FSDP first, then Megatron for a dense model (megatron/lora.py:
+  its adapters on a bf16 base split by TP x PP, no sequence parallelism); QLoRA and a MoE's LoRA on FSDP only
+  (Tandem's Megatron engine refuses a quantized base and adapters on experts).
   Within an engine the smallest model-parallel size that fits wins (more data parallelism, less
   communication); offload and CPU optimizers come last.
 * rollout: the embedded engine on a CPU; vLLM on GPUs (SGLang is judged in `check`, not chosen). TP is the smallest that leaves KV room for `MIN_CONCURRENCY` sequences (or all of a
@@ -30,11 +31,12 @@ from tandem.plan.memory import (
     Workload,
     host_bytes,
     inference_memory,
+    megatron_sequence_parallel,
     trainer_memory,
 )
 from tandem.plan.timing import EFFICIENCY, rollout_time, sync_time, train_time
 
-__all__ = ["HEADROOM", "Plan", "check", "plan"]
+__all__ = ["HEADROOM", "Plan", "check", "megatron_lora_refusals", "plan"]
 
 HEADROOM = 0.08  # of GPU memory kept free (allocator fragmentation, spikes)
 MIN_CONCURRENCY = 32
@@ -80,7 +82,8 @@ class Plan:
             "trainer": None if t is None else {
                 "engine": t.engine, "tp": t.tp, "pp": t.pp, "cp": t.cp, "ep": t.ep, "etp": t.etp, "dp": t.dp,
                 "offload": t.offload, "activation_checkpointing": t.activation_checkpointing,
-                "micro_batch_tokens": t.micro_batch_tokens, "sequence_parallel": t.engine == "megatron" and t.tp > 1,
+                "micro_batch_tokens": t.micro_batch_tokens,
+                "sequence_parallel": megatron_sequence_parallel(self.workload, t),
                 "hsdp_replicate": t.replicate, "lora_rank": self.workload.lora_rank,
                 "quantize_base": self.workload.quantize_base or None},
             "inference": None if i is None else {
@@ -168,7 +171,8 @@ def _megatron_candidates(arch: Arch, dev: Device, gpus: int, wl: Workload, offlo
                     continue
                 for ckpt in (False, True):
                     out.append(TrainerLayout(engine="megatron", gpus=gpus, tp=tp, pp=pp, ep=ep, offload=offload,
-                                             activation_checkpointing=ckpt, micro_batch_tokens=max(wl.seq_len, 8192)))
+                                             activation_checkpointing=ckpt, micro_batch_tokens=max(wl.seq_len, 8192),
+                                             sequence_parallel=not wl.lora_rank))
     out.sort(key=lambda t: (t.tp * t.pp, t.pp, -t.ep, t.activation_checkpointing))
     for t in out:
         for mbt in _micro_batches(dev, wl):
@@ -178,7 +182,9 @@ def _megatron_candidates(arch: Arch, dev: Device, gpus: int, wl: Workload, offlo
 def _trainer_order(arch: Arch, dev: Device, gpus: int, wl: Workload):
     fsdp_first = not (arch.moe and arch.total_params() >= MOE_MEGATRON_PARAMS)
     if wl.lora_rank:
-        groups = [("fsdp", False), ("fsdp", True)]
+        groups = [("fsdp", False), ("megatron", False), ("fsdp", True), ("megatron", True)]
+        if megatron_lora_refusals(arch, wl):
+            groups = [g for g in groups if g[0] == "fsdp"]
     elif fsdp_first:
         groups = [("fsdp", False), ("megatron", False), ("fsdp", True), ("megatron", True)]
     else:
@@ -190,6 +196,17 @@ def _trainer_order(arch: Arch, dev: Device, gpus: int, wl: Workload):
             yield from _fsdp_candidates(dev, gpus, wl, offload)
         elif not dev.is_cpu:  # Megatron on CPU exists for tests; the planner keeps CPU plans on FSDP
             yield from _megatron_candidates(arch, dev, gpus, wl, offload)
+
+
+def megatron_lora_refusals(arch: Arch, wl: Workload, sequence_parallel: bool = False) -> list[str]:
+    """What Tandem's Megatron engine refuses of this LoRA workload (`megatron.lora.check_lora`); [] without LoRA."""
+    if not wl.lora_rank:
+        return []
+    found = {"a quantized base (QLoRA trains on FSDP)": bool(wl.quantize_base),
+             "adapters on a MoE's experts (FSDP trains them)": arch.moe,
+             f"{arch.family}, which its native model (what it builds) does not implement": not arch.native,
+             "sequence parallelism with LoRA": sequence_parallel}
+    return [what for what, hit in found.items() if hit]
 
 
 def _choose_trainer(arch, dev, gpus, wl, budget) -> tuple[TrainerLayout | None, dict[str, float]]:
@@ -304,9 +321,11 @@ def _disaggregated(arch, dev, wl, gpus) -> Plan | None:
 def _explain(p: Plan) -> None:
     t, i, a = p.trainer, p.inference, p.arch
     if t.engine == "fsdp":
-        p.why.append("trainer fsdp: " + ("LoRA is planned on FSDP only" + (
-                     f", its frozen base's linear weights in {p.workload.quantize_base} on every rank (QLoRA)"
-                     if p.workload.quantize_base else "") if p.workload.lora_rank else
+        p.why.append("trainer fsdp: " + ((
+                     f"QLoRA fits without model parallelism: the frozen base's linear weights in "
+                     f"{p.workload.quantize_base} on every rank, the rest sharded" if p.workload.quantize_base else
+                     "LoRA fits without model parallelism: the frozen base sharded, only the adapters trained")
+                     if p.workload.lora_rank else
                      "the sharded state fits without model parallelism" if not t.offload else
                      "fits only with the sharded state offloaded to host memory"))
         if t.replicate > 1:
@@ -316,6 +335,9 @@ def _explain(p: Plan) -> None:
                    else "FSDP does not fit without offload")
         p.why.append(f"trainer megatron: {because}; tp={t.tp} pp={t.pp} ep={t.ep} is the smallest model-parallel "
                      "layout that fits")
+        if p.workload.lora_rank:
+            p.why.append("LoRA on Megatron: adapters on the local layer spec, no sequence parallelism "
+                         "(megatron/lora.py), the base frozen in bf16")
     if t.activation_checkpointing:
         p.why.append("activation checkpointing: activations of a micro-batch do not fit otherwise")
     p.why.append(f"inference {i.engine}: " + ("the embedded engine (CPU)" if i.engine == "torch" else
@@ -406,6 +428,10 @@ def check(arch: Arch, dev: Device, wl: Workload, gpus: int, trainer: TrainerLayo
                         f"> {rg} available")
     if trainer.gpus != tg:
         trainer = replace(trainer, gpus=tg)
+    if trainer.engine == "megatron":
+        refused = megatron_lora_refusals(arch, wl, trainer.sequence_parallel and trainer.tp > 1)
+        if refused:
+            problems.append(f"Tandem's Megatron engine refuses LoRA with {'; '.join(refused)}")
     if tg % (trainer.tp * trainer.pp * trainer.cp):
         problems.append(f"train GPUs {tg} are not a multiple of tp x pp x cp = {trainer.tp * trainer.pp * trainer.cp}")
     notes = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tandem.plan.memory import megatron_sequence_parallel
 from tandem.plan.planner import Plan
 
 __all__ = ["RecipeError", "recipe_dict"]
@@ -35,23 +36,30 @@ def _trainer(p: Plan) -> dict[str, Any]:
                               "(docs/megatron.md); plan with a shorter --response-len or more GPUs")
         tc = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1} \
             if t.activation_checkpointing else {}
-        return {"engine": "megatron", "megatron": {
+        megatron: dict[str, Any] = {
             "parallel": {"tensor_parallel": t.tp, "pipeline_parallel": t.pp, "expert_parallel": t.ep,
-                         "expert_tensor_parallel": t.etp, "sequence_parallel": t.tp > 1,
+                         "expert_tensor_parallel": t.etp, "sequence_parallel": megatron_sequence_parallel(wl, t),
                          "distributed_optimizer": True},
-            "micro_batch_tokens": t.micro_batch_tokens, "optimizer": opt, "transformer_config": tc}}
+            "micro_batch_tokens": t.micro_batch_tokens, "optimizer": opt, "transformer_config": tc}
+        if wl.lora_rank:  # megatron/lora.py: the local layer spec (TE's fuses the norm into the adapted layers)
+            megatron |= {"lora": _lora(wl), "layer_spec": "local", "optimizer": {"lr": 1.0e-5, "grad_clip": 1.0}}
+        return {"engine": "megatron", "megatron": megatron}
     fsdp: dict[str, Any] = {"micro_batch_tokens": t.micro_batch_tokens, "optimizer": opt,
                             "parallel": {"activation_checkpointing": t.activation_checkpointing,
                                          "cpu_offload": t.offload, "replicate": t.replicate}}
     if not p.device.is_cpu:
         fsdp["parallel"] |= {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
     if wl.lora_rank:
-        fsdp["lora"] = {"rank": wl.lora_rank, "alpha": float(2 * wl.lora_rank),
-                        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+        fsdp["lora"] = _lora(wl)
         if wl.quantize_base:
             fsdp["lora"]["quantize_base"] = {"format": wl.quantize_base}
         fsdp["optimizer"] = {"lr": 1.0e-5, "grad_clip": 1.0}
     return {"engine": "fsdp", "fsdp": fsdp}
+
+
+def _lora(wl) -> dict[str, Any]:
+    return {"rank": wl.lora_rank, "alpha": float(2 * wl.lora_rank),
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
 
 
 def _inference(p: Plan, model_name: str) -> dict[str, Any]:

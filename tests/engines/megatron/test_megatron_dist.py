@@ -85,6 +85,19 @@ def test_parallel_step_equals_single_process(spawned, single_process, case):
         assert (got["entropy"] - ref["entropy"][rows, :width]).abs().max() < 1e-5, case
 
 
+@pytest.mark.parametrize("case", ["tp2-qwen2-lora", "pp2-llama-tied-lora"])
+def test_the_planner_counts_the_adapters_each_rank_trains(spawned, case):
+    """`tandem plan`'s Megatron LoRA memory model holds the adapter parameters each rank actually has."""
+    from tandem.plan.archs import resolve_arch
+    from tandem.plan.memory import megatron_lora_params
+
+    model, parallel = workers.CASES[case]
+    tp, pp = parallel.get("tensor_parallel", 1), parallel.get("pipeline_parallel", 1)
+    planned = megatron_lora_params(resolve_arch(model), workers.LORA.rank, tp, pp)
+    for rank in spawned:
+        assert rank[case]["trainable"] == planned, (case, rank[case]["trainable"], planned)
+
+
 def test_every_rank_gets_the_same_full_hf_weights(spawned):
     for case in workers.CASES:
         assert max_abs_diff(spawned[0][case]["weights"], spawned[1][case]["weights"]) == 0.0, case

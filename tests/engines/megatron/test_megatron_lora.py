@@ -79,6 +79,24 @@ def test_same_adapters_give_fsdp_lora_logprobs_steps_and_exports(model, targets)
         fsdp.close()
 
 
+def _planner_counts_this_state(model: str, engine, rank: int) -> None:
+    """`tandem plan`'s Megatron LoRA items on a CPU (fp32) hold what this engine holds after its steps: gradients and
+    AdamW moments for the adapters alone, no reference model (the base with its adapters off)."""
+    from tandem.plan.archs import resolve_arch
+    from tandem.plan.hardware import device
+    from tandem.plan.memory import TrainerLayout, Workload, trainer_memory
+
+    items = trainer_memory(resolve_arch(model), device("cpu"), Workload(prompt_len=8, response_len=8, prompts=1,
+                                                                        samples=1, lora_rank=rank, ref=True),
+                           TrainerLayout(engine="megatron", gpus=1))
+    trainable = [p for _, _, p in engine.params if p.requires_grad]
+    assert items["gradients"] == sum(p.numel() * p.element_size() for p in trainable) > 0  # fp32 adapters
+    moments = sum(v.numel() * v.element_size() for inner in engine.optim._inner for s in inner.state.values()
+                  for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    assert items["optimizer"] == moments
+    assert "reference" not in items
+
+
 def test_only_adapters_train_reference_is_the_base_and_checkpoint_holds_adapters(tmp_path):
     model = "tiny-qwen3"
     plain = MegatronEngine(MegatronConfig(model=ModelConfig(name=model), micro_batch_tokens=20, vocab_divisible_by=96))
@@ -104,6 +122,7 @@ def test_only_adapters_train_reference_is_the_base_and_checkpoint_holds_adapters
         frozen = [n for n in merged if "proj" not in n]  # norms and embeddings: untouched
         assert all(torch.equal(merged[n], base_weights[n]) for n in frozen)
 
+        _planner_counts_this_state(model, engine, lora.rank)
         engine.save(str(tmp_path / "ckpt"))
         saved = _adapters(engine)
         after = engine.train_step(make_batch(seed=2), token_mean_pg)

@@ -183,6 +183,8 @@ def all_layouts(rank: int, world: int, out_dir: str) -> None:
         engine = MegatronEngine(config(model, **parallel))
         results[name] = two_steps(engine, parallel.get("shared", False))
         results[name]["dp_size"] = engine.dp_size
+        # what this rank trains (with LoRA: its shards of the adapters; the planner's `megatron_lora_params`)
+        results[name]["trainable"] = sum(p.numel() for _, _, p in engine.params if p.requires_grad)
         engine.close()
     for name in RESUMED:
         model, parallel = CASES[name]
