@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["read_safetensors"]
+__all__ = ["SafetensorsIndex", "read_safetensors"]
 
 DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -57,25 +57,63 @@ def read_safetensors(path: str | Path, *, dtype: torch.dtype | None = None,
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             if skip is not None and skip(name):
                 continue
-            file_dtype = DTYPES.get(info["dtype"])
-            if file_dtype is None:
-                raise ValueError(f"{path}: {name} has dtype {info['dtype']!r}, not one of {sorted(DTYPES)}")
-            begin, end = info["data_offsets"]
-            tensor = torch.empty(info["shape"], dtype=file_dtype)
-            nbytes = tensor.numel() * tensor.element_size()
-            if end - begin != nbytes or start + end > size:
-                raise ValueError(f"{path}: {name} spans bytes {begin}-{end} of the data ({end - begin} bytes), "
-                                 f"but shape {info['shape']} of {info['dtype']} is {nbytes} bytes and the file "
-                                 f"holds {size - start}")
-            if nbytes:
-                f.seek(start + begin)
-                view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-                got = 0
-                while got < nbytes:  # readinto may return short on large reads
-                    n = f.readinto(view[got:])
-                    if not n:
-                        raise ValueError(f"{path}: truncated while reading {name} ({got} of {nbytes} bytes)")
-                    got += n
-            if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
-                tensor = tensor.to(dtype)
-            yield name, tensor
+            yield name, _read(f, path, name, info, start, size, dtype)
+
+
+def _read(f, path: Path, name: str, info: dict, start: int, size: int, dtype: torch.dtype | None) -> torch.Tensor:
+    """Tensor ``name`` (its header entry ``info``; the data begins at byte ``start`` of a file of ``size``)."""
+    file_dtype = DTYPES.get(info["dtype"])
+    if file_dtype is None:
+        raise ValueError(f"{path}: {name} has dtype {info['dtype']!r}, not one of {sorted(DTYPES)}")
+    begin, end = info["data_offsets"]
+    tensor = torch.empty(info["shape"], dtype=file_dtype)
+    nbytes = tensor.numel() * tensor.element_size()
+    if end - begin != nbytes or start + end > size:
+        raise ValueError(f"{path}: {name} spans bytes {begin}-{end} of the data ({end - begin} bytes), "
+                         f"but shape {info['shape']} of {info['dtype']} is {nbytes} bytes and the file "
+                         f"holds {size - start}")
+    if nbytes:
+        f.seek(start + begin)
+        view = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        got = 0
+        while got < nbytes:  # readinto may return short on large reads
+            n = f.readinto(view[got:])
+            if not n:
+                raise ValueError(f"{path}: truncated while reading {name} ({got} of {nbytes} bytes)")
+            got += n
+    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+        tensor = tensor.to(dtype)
+    return tensor
+
+
+class SafetensorsIndex:
+    """The tensors of a model folder's ``*.safetensors`` files by name, each read on demand into memory of its
+    own (`read`), as `read_safetensors` reads them: a loader that builds its model on the meta device and
+    fills it one module at a time holds one tensor of the files at most."""
+
+    def __init__(self, files: list[Path]) -> None:
+        self._where: dict[str, tuple[Path, dict, int, int]] = {}
+        for path in files:
+            path = Path(path)
+            with open(path, "rb", buffering=0) as f:
+                header, start = _header(f, path)
+            size = path.stat().st_size
+            for name, info in header.items():
+                self._where[name] = (path, info, start, size)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._where[name][1]["shape"])
+
+    def names(self) -> list[str]:
+        return list(self._where)
+
+    def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Tensor ``name`` (``dtype``: a floating-point tensor converted to it). KeyError names a missing one."""
+        if name not in self._where:
+            raise KeyError(f"{name!r} is not in the safetensors files ({len(self._where)} tensors)")
+        path, info, start, size = self._where[name]
+        with open(path, "rb", buffering=0) as f:
+            return _read(f, path, name, info, start, size, dtype)

@@ -95,3 +95,23 @@ def test_from_pretrained_holds_given_tensors_and_reads_only_the_rest():
     assert sd["model.norm.weight"].data_ptr() == norm.data_ptr()
     assert sd[q].dtype == torch.float32 and torch.equal(sd[q], files[q])  # another dtype: read from the file
     assert sd["model.layers.1.mlp.up_proj.weight"].is_meta
+
+
+def test_the_index_reads_any_tensor_by_name_as_the_sequential_reader_does(tmp_path):
+    from tandem.models.safetensors_read import SafetensorsIndex
+
+    tensors = _tensors()
+    save_file(dict(list(tensors.items())[: len(tensors) // 2]), str(tmp_path / "a.safetensors"))
+    save_file(dict(list(tensors.items())[len(tensors) // 2 :]), str(tmp_path / "b.safetensors"))
+    index = SafetensorsIndex(sorted(tmp_path.glob("*.safetensors")))
+    assert sorted(index.names()) == sorted(tensors)
+    for name in reversed(list(tensors)):  # any order, across files
+        got = index.read(name)
+        want = tensors[name]
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert torch.equal(got.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)), name
+        assert index.shape(name) == tuple(tensors[name].shape)
+    float_name = next(n for n, t in tensors.items() if t.dtype == torch.float32)
+    assert index.read(float_name, torch.bfloat16).dtype == torch.bfloat16
+    with pytest.raises(KeyError, match="'nope' is not in the safetensors files"):
+        index.read("nope")

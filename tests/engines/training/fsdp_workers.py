@@ -6,6 +6,7 @@ spawn because starting the processes costs more than the checks.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -48,9 +49,20 @@ CASES: dict[str, tuple[dict, list[list[int]] | None]] = {
         None,
     ),
     "lora": ({"micro_batch_tokens": 20, "lora": LoRAConfig(rank=4, target_modules=("q_proj", "up_proj"))}, None),
+    # the whole model loaded, then sharded (every other native case reads its weights as it shards them)
+    "whole-load": ({"micro_batch_tokens": 20, "parallel": ParallelConfig(sharded_load=False)}, None),
     # GRPO-like batches whose groups share prompts, split as the engine splits them (groups kept on one rank)
     "shared-prompts": ({"micro_batch_tokens": 24}, "shared"),
 }
+
+
+def matrix_bytes() -> int:
+    """Bytes of the tiny model's checkpoint tensors of two or more dimensions (what a sharded load defers)."""
+    from tandem.models import resolve_model
+    from tandem.models.safetensors_read import SafetensorsIndex
+
+    index = SafetensorsIndex(sorted(resolve_model(TINY).glob("*.safetensors")))
+    return sum(4 * math.prod(index.shape(n)) for n in index.names() if len(index.shape(n)) >= 2)
 
 
 def case_batch(case: str, seed: int) -> TrainBatch:
@@ -81,7 +93,7 @@ def two_steps(engine: FSDPEngine, rank: int, world: int, split, case: str = "") 
     logp = engine.forward_logprobs(first.select(rows)).log_probs
     embed = engine.policy.module.lm.model.embed_tokens
     return {"grads": grads, "metrics": [m1, m2], "weights": sync_weights(engine), "rows": rows, "logp": logp,
-            "vocab_parallel": isinstance(embed, VocabParallelEmbedding)}
+            "vocab_parallel": isinstance(embed, VocabParallelEmbedding), "deferred_bytes": engine.deferred_bytes}
 
 
 def equivalence(rank: int, world: int, out_dir: str) -> None:

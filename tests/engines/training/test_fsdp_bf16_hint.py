@@ -32,7 +32,7 @@ def test_cpu_bf16_instructions_are_read_from_the_flags(monkeypatch, flags, nativ
 ])
 def test_fsdp_engine_hints_at_bf16_where_it_pays(monkeypatch, caplog, flags, parallel, hinted):
     monkeypatch.setattr(native, "_cpu_flags", lambda: flags)
-    with caplog.at_level(logging.INFO, logger="tandem.engines.training.fsdp.engine"):
+    with caplog.at_level(logging.INFO, logger="tandem.engines.training.fsdp.parallel"):
         engine = FSDPEngine(FSDPConfig(model=ModelConfig(name="tiny-llama"), parallel=parallel))
         engine.close()
     assert any(HINT in r.getMessage() for r in caplog.records) is hinted

@@ -55,6 +55,7 @@ from tandem.engines.training.fsdp.parallel import (
     apply_fsdp,
     enable_activation_checkpointing,
     full_tensor,
+    hint_bf16,
     init_distributed,
     total_grad_norm,
     visiting,
@@ -153,10 +154,12 @@ class FSDPEngine:
         critic_lr_lambda: Callable[[int], float] | None,
     ) -> None:
         self._step = 0
+        self.deferred_bytes = 0  # read module by module as the models were sharded (fsdp/deferred.py)
         self._asleep = False
         self._closed = False
         torch.manual_seed(config.seed)  # LoRA and value-head init: the same values on every rank
-        loaded = load_lm(config.model, packing=config.packing)
+        loaded = load_lm(config.model, packing=config.packing, deferred=self._deferred(config.qat is None and (
+            config.lora is None or config.lora.quantize_base is None)))
         self.model_path, self.native = loaded.path, loaded.native
         self.max_context, self.moe_layers = loaded.max_context, loaded.moe_layers
         if config.routing_replay and not (self.native and self.moe_layers):
@@ -170,7 +173,7 @@ class FSDPEngine:
                 "fallback (packing=False or an unsupported architecture)"
             )
         self._info = self._describe(loaded)
-        self._hint_bf16(config)
+        hint_bf16(self.ctx, config.parallel.param_dtype, config.model.dtype)
         # the lean backward passes' native kernels (CPU, normal mode), or None: torch's
         self._grad_kernels = native.choose("pointwise", config.pointwise_kernels, self.ctx.device, config.deterministic)
         self._recompute = config.recompute_pointwise
@@ -195,14 +198,9 @@ class FSDPEngine:
 
     # -- building -------------------------------------------------------------------------------------
 
-    def _hint_bf16(self, config: FSDPConfig) -> None:
-        """On a CPU with bf16 instructions, say once that fp32 training leaves ~1.4-1.9x on the table."""
-        from tandem.ops.native import cpu_has_native_bf16
-
-        if (self.ctx.device.type == "cpu" and self.ctx.is_main and config.parallel.param_dtype is None
-                and config.model.dtype == "float32" and cpu_has_native_bf16()):
-            log.info("this CPU has bf16 instructions: trainer.fsdp.parallel.param_dtype=bfloat16 trains ~1.4-1.9x "
-                     "faster here, fp32 master weights kept, at the bf16 log-prob bound (docs/training.md)")
+    def _deferred(self, allowed: bool) -> bool:
+        """Whether a model loads with its matrices read as it is sharded (fsdp/deferred.py)."""
+        return allowed and self.ctx.sharded and self.config.parallel.sharded_load
 
     def _describe(self, loaded: LoadedLM) -> EngineInfo:
         """The policy forward as `EngineInfo` reports it (constant for the engine's life)."""
@@ -229,8 +227,15 @@ class FSDPEngine:
         if trainable and self.config.parallel.activation_checkpointing:
             enable_activation_checkpointing(layers)
         if self.ctx.sharded:
+            later = loaded.deferred
+            if later is not None:
+                later.track(loaded.lm)  # the final modules (LoRA applied, a critic's head dropped)
             ignored = self._shard_vocabulary(root, loaded, offload) if isinstance(root, PolicyModel) else None
-            apply_fsdp(root, layers, self.ctx, self.config.parallel, offload=offload, ignored=ignored)
+            apply_fsdp(root, layers, self.ctx, self.config.parallel, offload=offload, ignored=ignored,
+                       before_shard=later.materialize if later is not None else None)
+            if later is not None:
+                later.check_done()
+                self.deferred_bytes += later.read_bytes
         elif not offload:  # an offloaded single-process model visits the device per forward
             root.to(self.ctx.device)
         return root
@@ -247,13 +252,17 @@ class FSDPEngine:
             log.info("vocab_parallel: not used (%s)", why)
             return None
         dtype = DTYPES[par.param_dtype] if par.param_dtype else None
+        if loaded.deferred is not None:  # the embedding and the LM head are sharded by rows here, not by FSDP
+            loaded.deferred.materialize(root.lm.model.embed_tokens)
+            loaded.deferred.materialize(root.lm.lm_head)
         return shard_vocabulary(root.lm, self.ctx.mesh, self.ctx.device, dtype)
 
     def _build_ref(self) -> PolicyModel | None:
         rc = self.config.ref
         if rc is None or (self.config.lora is not None and rc.model is None):
             return None  # no reference, or the LoRA policy with adapters off
-        loaded = load_lm(rc.model or self.config.model, packing=self.config.packing)
+        loaded = load_lm(rc.model or self.config.model, packing=self.config.packing,
+                         deferred=self._deferred(self.config.qat is None))
         if self.config.qat is not None:  # KL against the quantized initial policy, as the rollout sees it
             apply_quantization(loaded, self.config.qat)
         loaded.lm.requires_grad_(False)
@@ -264,7 +273,7 @@ class FSDPEngine:
         cc = self.config.critic
         if cc is None:
             return None
-        loaded = load_lm(cc.model or self.config.model, packing=self.config.packing)
+        loaded = load_lm(cc.model or self.config.model, packing=self.config.packing, deferred=self._deferred(True))
         module = self._shard(CriticModel(loaded), loaded, trainable=True)
         return _Trainable(module, cc.optimizer, lr_lambda, lora=False)
 

@@ -47,8 +47,8 @@ class LoraLinear(nn.Module):
         nn.init.zeros_(self.lora_B[ADAPTER].weight)
         w = base_layer.weight
         dtype = w.dtype if w.dtype.is_floating_point else None  # peft never casts adapters to an integer dtype
-        for d in (self.lora_A, self.lora_B):
-            d[ADAPTER] = d[ADAPTER].to(w.device, dtype=dtype)
+        for d in (self.lora_A, self.lora_B):  # a base on the meta device (read later, fsdp/deferred.py): host
+            d[ADAPTER] = d[ADAPTER].to(dtype=dtype) if w.is_meta else d[ADAPTER].to(w.device, dtype=dtype)
         self.adapters_enabled = True
 
     def enable_adapters(self, enabled: bool) -> None:

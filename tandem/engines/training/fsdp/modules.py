@@ -20,12 +20,14 @@ import torch
 from torch import nn
 
 from tandem.engines.training.common import MicroBatch
+from tandem.engines.training.fsdp.deferred import DeferredWeights, deferred_names
 from tandem.engines.training.fsdp.vocab_parallel import VocabParallelEmbedding, vocab_parallel_logprobs
 from tandem.kernels.config import QuantConfig
 from tandem.kernels.qat import apply_qat, qat_targets
 from tandem.models.attention import MoERouting
 from tandem.models.logprobs import TiedGrad, token_logprobs
 from tandem.models.registry import ModelConfig, quiet_transformers, resolve_model
+from tandem.models.safetensors_read import SafetensorsIndex
 from tandem.models.transformer import CausalLM, UnsupportedModelError
 from tandem.ops.batch_invariant import packed_attention
 
@@ -42,18 +44,28 @@ class LoadedLM:
     path: str  # the resolved HF folder
     max_context: int | None
     moe_layers: tuple[int, ...] = ()
+    # the matrices left on the meta device, read module by module as the model is sharded (fsdp/deferred.py)
+    deferred: DeferredWeights | None = None
 
 
-def load_lm(cfg: ModelConfig, *, packing: bool) -> LoadedLM:
-    """Load ``cfg``'s model: the native implementation when ``packing`` and supported, else HF's."""
+def load_lm(cfg: ModelConfig, *, packing: bool, deferred: bool = False) -> LoadedLM:
+    """Load ``cfg``'s model: the native implementation when ``packing`` and supported, else HF's.
+    ``deferred``: the native model's matrices stay on the meta device for `DeferredWeights` (the HF model
+    loads whole)."""
     path = resolve_model(cfg.name)
     if packing:
         try:
-            lm = CausalLM.from_pretrained(path, dtype=cfg.torch_dtype)
+            later = None
+            if deferred:
+                index = SafetensorsIndex(sorted(path.glob("*.safetensors")))
+                lm = CausalLM.from_pretrained(path, dtype=cfg.torch_dtype, unallocated=deferred_names(index))
+                later = DeferredWeights(path, index, cfg.torch_dtype)
+            else:
+                lm = CausalLM.from_pretrained(path, dtype=cfg.torch_dtype)
             args = lm.args
             return LoadedLM(
                 lm=lm, native=True, path=str(path), max_context=args.max_position_embeddings,
-                moe_layers=tuple(args.moe_layers),
+                moe_layers=tuple(args.moe_layers), deferred=later,
             )
         except UnsupportedModelError as e:
             log.warning("%s: %s; using the HF model with padded micro-batches", cfg.name, e)

@@ -1,0 +1,78 @@
+"""Building a sharded model without a whole copy of it in every rank.
+
+Loading the model and then sharding it (`fully_shard`) makes every rank hold the whole model for a moment:
+on a node of 8 GPUs training a 70B model in fp32, 8 x 280 GB of host memory at start-up, before FSDP keeps an
+eighth of it. With ``trainer.fsdp.parallel.sharded_load`` (the default) a sharded engine loads its native
+model with the checkpoint's matrices (every tensor of two or more dimensions: the decoder layers' projections,
+the embedding, an untied LM head) left on the meta device, and `DeferredWeights.materialize` reads a module's
+matrices from the files (`SafetensorsIndex`, one tensor at a time) right before `fully_shard` takes that
+module: FSDP copies this rank's rows and the whole tensors are freed. A rank's host memory while it builds is
+its shards plus one decoder layer (or the embedding), whatever the model's size. Norms and other vectors are
+read as before. The values are the files' either way, so the model is the same bit for bit (tested).
+
+Not deferred (the whole model is loaded, then sharded, as before): one process (nothing to shard), the HF
+fallback (``packing: false`` or an architecture the native model lacks), QAT and QLoRA (their layers are built
+from the whole weights).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from tandem.models.safetensors_read import SafetensorsIndex
+
+__all__ = ["DeferredWeights", "deferred_names"]
+
+_LORA_BASE = ".base_layer."  # fsdp/lora.py keeps a LoRA'd linear's weight under X.base_layer.weight
+
+
+def deferred_names(index: SafetensorsIndex) -> list[str]:
+    """The checkpoint tensors a sharded load reads module by module: those of two or more dimensions."""
+    return [name for name in index.names() if len(index.shape(name)) >= 2]
+
+
+class DeferredWeights:
+    """The meta parameters of one model and where each comes from (its checkpoint name)."""
+
+    def __init__(self, path: str | Path, index: SafetensorsIndex, dtype: torch.dtype) -> None:
+        self.path, self.index, self.dtype = str(path), index, dtype
+        self._names: dict[int, str] = {}  # id(meta parameter) -> checkpoint name
+        self._owners: dict[int, list[tuple[nn.Module, str]]] = {}  # every module holding it (ties)
+        self.read_bytes = 0
+
+    def track(self, lm: nn.Module) -> None:
+        """Record ``lm``'s meta parameters with their owners; call once its modules are final (after LoRA)."""
+        self._names.clear()
+        self._owners.clear()
+        for prefix, module in lm.named_modules(remove_duplicate=False):
+            for attr, p in module.named_parameters(recurse=False):
+                if p.is_meta:
+                    name = f"{prefix}.{attr}" if prefix else attr
+                    self._owners.setdefault(id(p), []).append((module, attr))
+                    self._names.setdefault(id(p), name.replace(_LORA_BASE, "."))
+
+    def materialize(self, module: nn.Module) -> None:
+        """Read ``module``'s deferred parameters from the files (every module holding one gets it)."""
+        for sub in module.modules():
+            for _, p in list(sub.named_parameters(recurse=False)):
+                key = id(p)
+                if p.is_meta and key in self._names:
+                    name = self._names.pop(key)
+                    t = self.index.read(name, self.dtype)
+                    if tuple(t.shape) != tuple(p.shape):
+                        raise ValueError(f"{self.path}: {name} has shape {tuple(t.shape)} in the checkpoint, "
+                                         f"the model expects {tuple(p.shape)}")
+                    self.read_bytes += t.numel() * t.element_size()
+                    new = nn.Parameter(t, requires_grad=p.requires_grad)
+                    for owner, attr in self._owners.pop(key):
+                        setattr(owner, attr, new)
+
+    def check_done(self) -> None:
+        """Raise if a deferred parameter was never read (a module sharded outside the layers and the root)."""
+        if self._names:
+            left = sorted(self._names.values())
+            raise RuntimeError(f"{self.path}: {len(left)} deferred weights were never read ({', '.join(left[:3])}"
+                               f"{', ...' if len(left) > 3 else ''})")

@@ -1,0 +1,69 @@
+"""fsdp/deferred.py in one process: a model built with its matrices on the meta device and read module by module
+is the eagerly loaded model bit for bit (LoRA applied, ties kept), and what goes wrong is named. The sharded
+engine that uses it is compared with one process in test_fsdp_dist.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tandem.engines.training.fsdp.config import LoRAConfig
+from tandem.engines.training.fsdp.deferred import DeferredWeights
+from tandem.engines.training.fsdp.lora import apply_lora
+from tandem.engines.training.fsdp.modules import decoder_layers, load_lm
+from tandem.models import ModelConfig
+
+
+def _loaded(model: str, deferred: bool, lora: bool):
+    loaded = load_lm(ModelConfig(name=model), packing=True, deferred=deferred)
+    if lora:
+        torch.manual_seed(0)
+        apply_lora(loaded.lm, LoRAConfig(rank=4, target_modules=("q_proj", "down_proj")))
+    return loaded
+
+
+@pytest.mark.parametrize("model,lora", [("tiny-llama", False), ("tiny-qwen3", True), ("tiny-qwen3-moe", False)])
+def test_reading_module_by_module_gives_the_eager_model_bit_for_bit(model, lora):
+    eager = _loaded(model, deferred=False, lora=lora).lm
+    loaded = _loaded(model, deferred=True, lora=lora)
+    lm, later = loaded.lm, loaded.deferred
+    matrices = {n for n, p in lm.named_parameters() if p.is_meta}
+    assert matrices and all(p.dim() >= 2 for n, p in lm.named_parameters() if n in matrices)
+    assert not any(".lora_" in n for n in matrices)  # adapters are drawn on the host, as in the eager build
+    later.track(lm)
+    for layer in decoder_layers(lm, True):  # as apply_fsdp calls it: each layer, then the root
+        later.materialize(layer)
+        assert not any(p.is_meta for p in layer.parameters())
+    later.materialize(lm)
+    later.check_done()
+    assert later.read_bytes == sum(p.numel() * p.element_size() for n, p in lm.named_parameters(remove_duplicate=True)
+                                   if n in matrices)
+    got, want = dict(lm.named_parameters()), dict(eager.named_parameters())
+    assert got.keys() == want.keys()
+    for name, p in got.items():
+        assert p.requires_grad == want[name].requires_grad and torch.equal(p, want[name]), name
+    if lm.args.tie_word_embeddings:
+        assert lm.lm_head.weight is lm.model.embed_tokens.weight
+
+
+def test_a_weight_never_read_or_of_another_shape_is_named():
+    loaded = _loaded("tiny-llama", deferred=True, lora=False)
+    later = loaded.deferred
+    later.track(loaded.lm)
+    later.materialize(decoder_layers(loaded.lm, True)[0])
+    with pytest.raises(RuntimeError, match=r"deferred weights were never read \(model\.embed_tokens\.weight"):
+        later.check_done()
+
+    class Shorter:  # the files hold a tensor of another shape than the model's
+        def read(self, name, dtype=None):
+            return torch.zeros(3, 3)
+
+    wrong = DeferredWeights("folder", Shorter(), torch.float32)
+    wrong.track(_loaded("tiny-llama", deferred=True, lora=False).lm)
+    with pytest.raises(ValueError, match=r"folder: model\.embed_tokens\.weight has shape \(3, 3\) in the checkpoint"):
+        wrong.materialize(_any_embedding(wrong))
+
+
+def _any_embedding(later: DeferredWeights):
+    owner, _ = next(iter(later._owners.values()))[0]
+    return owner
