@@ -67,6 +67,9 @@ def child(mode: str) -> None:
     print(json.dumps({"mode": mode, "rank": int(os.environ["RANK"]), "allocator": allocator, "before_mib": before,
                       "after_mib": after, "rise_mib": after - before, "rss_mib": rss, "build_s": build_s,
                       "deferred_mib": deferred / 2**20, "checksum": checksum}), flush=True)
+    from tandem.engines.training.common.rank_exit import exit_rank
+
+    exit_rank(0)  # a rank's end without the finalization gloo's worker threads can abort (rank_exit.py)
 
 
 def world(mode: str, size: int) -> list[dict]:
