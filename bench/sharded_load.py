@@ -9,6 +9,7 @@ and a checksum of the log-probs (both sides must give the same numbers). The sid
 (``sharded`` first in odd rounds); medians and spreads of the per-rank maxima.
 
     python bench/sharded_load.py                  # world 2, 3 repeats (~2 min on 2 cores)
+    python bench/sharded_load.py --world 1 --qlora  # a QLoRA base quantized as it is read, one process
 
 Ends with ``RESULT {json}``: ``sharded_peak_rise_mib``, ``whole_peak_rise_mib``, ``load_peak_rise_ratio``
 (sharded over whole), ``sharded_build_s``, ``whole_build_s``, ``logprobs_equal``.
@@ -35,7 +36,7 @@ def _status_mib(key: str) -> float:
         return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
 
 
-def child(mode: str) -> None:
+def child(mode: str, qlora: bool) -> None:
     """One rank of one world (RANK / WORLD_SIZE / MASTER_* in the environment); prints one JSON line."""
     from tandem.runtime.allocator import reexec_under
 
@@ -49,10 +50,18 @@ def child(mode: str) -> None:
     from tandem.models import ModelConfig
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if int(os.environ["WORLD_SIZE"]) > 1:
+        dist.init_process_group("gloo")
     before = _status_mib("VmHWM")
     t0 = time.perf_counter()
-    engine = FSDPEngine(FSDPConfig(model=ModelConfig(name=MODEL), micro_batch_tokens=512,
+    lora = None
+    if qlora:  # rank 16 on every linear layer, the base in FP8 (recipes/smollm2-135m/addition-grpo-qlora.yaml)
+        from tandem.engines.training.fsdp import LoRAConfig
+        from tandem.kernels import QuantConfig
+
+        lora = LoRAConfig(rank=16, alpha=32.0, quantize_base=QuantConfig(format="fp8_block"), target_modules=(
+            "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
+    engine = FSDPEngine(FSDPConfig(model=ModelConfig(name=MODEL), micro_batch_tokens=512, lora=lora,
                                    parallel=ParallelConfig(sharded_load=mode == "sharded")))
     build_s = time.perf_counter() - t0
     after, rss = _status_mib("VmHWM"), _status_mib("VmRSS")
@@ -63,7 +72,8 @@ def child(mode: str) -> None:
     checksum = float(logp.double().sum())
     deferred = engine.deferred_bytes
     engine.close()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     print(json.dumps({"mode": mode, "rank": int(os.environ["RANK"]), "allocator": allocator, "before_mib": before,
                       "after_mib": after, "rise_mib": after - before, "rss_mib": rss, "build_s": build_s,
                       "deferred_mib": deferred / 2**20, "checksum": checksum}), flush=True)
@@ -72,7 +82,7 @@ def child(mode: str) -> None:
     exit_rank(0)  # a rank's end without the finalization gloo's worker threads can abort (rank_exit.py)
 
 
-def world(mode: str, size: int) -> list[dict]:
+def world(mode: str, size: int, qlora: bool) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -80,7 +90,7 @@ def world(mode: str, size: int) -> list[dict]:
     for rank in range(size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(size), "LOCAL_RANK": str(rank),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "PYTHONPATH": str(ROOT)}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--child", mode], env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, __file__, "--child", mode, *(["--qlora"] if qlora else [])], env=env, stdout=subprocess.PIPE,
                                       text=True))
     out = []
     for p in procs:
@@ -96,14 +106,15 @@ def main() -> None:
     p.add_argument("--world", type=int, default=2)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--child", choices=("sharded", "whole"))
+    p.add_argument("--qlora", action="store_true", help="a QLoRA policy (FP8 base; quantized as read in any world)")
     args = p.parse_args()
     if args.child:
-        child(args.child)
+        child(args.child, args.qlora)
         return
     runs: dict[str, list[list[dict]]] = {"sharded": [], "whole": []}
     for rep in range(args.repeats):
         for mode in (("sharded", "whole") if rep % 2 == 0 else ("whole", "sharded")):
-            ranks = world(mode, args.world)
+            ranks = world(mode, args.world, args.qlora)
             runs[mode].append(ranks)
             print(f"round {rep + 1} {mode}: " + "; ".join(
                 f"rank {r['rank']} peak {r['before_mib']:.0f} -> {r['after_mib']:.0f} MiB (+{r['rise_mib']:.0f}), "
@@ -121,7 +132,7 @@ def main() -> None:
                      "build_range": [round(min(build), 2), round(max(build), 2)]}
         print(f"{mode}: {med[mode]}", flush=True)
     sums = {mode: {r["checksum"] for ranks in rounds for r in ranks} for mode, rounds in runs.items()}
-    result = {"model": MODEL, "world": args.world, "repeats": args.repeats, "dtype": "float32",
+    result = {"model": MODEL, "world": args.world, "repeats": args.repeats, "dtype": "float32", "qlora": args.qlora,
               "allocator": runs["sharded"][0][0]["allocator"],
               "sharded_peak_rise_mib": med["sharded"]["peak_rise_mib"], "whole_peak_rise_mib": med["whole"]["peak_rise_mib"],
               "load_peak_rise_ratio": round(med["sharded"]["peak_rise_mib"] / med["whole"]["peak_rise_mib"], 3),

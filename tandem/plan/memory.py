@@ -25,6 +25,10 @@ Assumptions (docs/plan.md has the derivations and the CPU calibration):
   weight-gradient product and the embedding's dense gradient), measured on CPU. Megatron's head is
   vocab-parallel and chunked the same way (megatron/logprobs.py): the chunk's buffers x vocab / TP, plus
   its fp32 weight-gradient product, vocab / TP x hidden.
+* Building the model (`load_host_bytes`, host memory per node, its ranks at once; checked against the node's
+  host memory with the offloaded state): FSDP on a native model reads its matrices as it shards them (a rank's
+  shards plus one module), a native QLoRA base is quantized as it is read, the HF fallback loads the whole model
+  in fp32 on every rank first, Megatron reads its stage's slices.
 * Rollout engines (vLLM / SGLang): weights split by TP (experts by EP), a fixed overhead (CUDA graphs,
   activations, communication buffers) and the KV cache in what `mem_fraction` of the GPU leaves.
 * The embedded engine: a full copy of the weights in the model dtype (on a CPU: oneDNN-packed copies of the
@@ -40,7 +44,7 @@ from tandem.plan.archs import Arch
 from tandem.plan.hardware import GIB, Device
 
 __all__ = ["BASE_BYTES", "InferenceLayout", "TrainerLayout", "Workload", "host_bytes", "inference_memory",
-           "kv_budget", "megatron_lora_params", "megatron_sequence_parallel", "quantized_base_params", "trainer_memory"]
+           "kv_budget", "load_host_bytes", "megatron_lora_params", "megatron_sequence_parallel", "quantized_base_params", "trainer_memory"]
 
 GPU_TRAINER_OVERHEAD = 3.0 * GIB  # CUDA context, NCCL buffers, allocator slack
 GPU_ENGINE_OVERHEAD = 4.0 * GIB  # vLLM / SGLang CUDA graphs, activations, communication buffers
@@ -191,6 +195,29 @@ def _activations(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> t
     if lay.activation_checkpointing:  # stored layer inputs per micro-batch in flight + one layer recomputed
         return in_flight * layers * tokens * arch.hidden * b / (1 if split else lay.tp) + per_layer, tokens
     return in_flight * layers * per_layer, tokens
+
+
+def load_host_bytes(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> float:
+    """Host memory one trainer rank takes while it builds its model, before its state is offloaded or trained
+    (the recipes' ``model.dtype``: float32). FSDP on a native model at dp > 1 reads its matrices as it shards
+    them (fsdp/deferred.py): its shards plus the largest module (a decoder layer or the embedding); a native
+    QLoRA base is quantized as it is read, in any world; the HF fallback loads the whole model, then shards it;
+    Megatron reads its stage's slices tensor by tensor. 0 on a CPU device (its memory is the budget the
+    trainer's items already count)."""
+    if dev.is_cpu:
+        return 0.0
+    p = arch.total_params()
+    if lay.engine == "megatron":
+        return 4 * p / (lay.tp * lay.pp)
+    if not arch.native:
+        return 4.0 * p
+    if wl.quantize_base:  # quantized as read (any world): the base's bytes, the rest in fp32, one weight at a time
+        q = quantized_base_params(arch)
+        return q * BASE_BYTES[wl.quantize_base] + 4 * ((p - q) / lay.shard + _largest_quantized(arch))
+    if lay.shard > 1:
+        layer = (p - arch.embedding_params()) / arch.layers
+        return 4 * (p / lay.shard + max(layer, arch.vocab * arch.hidden))
+    return 4.0 * p
 
 
 def host_bytes(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> float:

@@ -31,6 +31,7 @@ from tandem.plan.memory import (
     Workload,
     host_bytes,
     inference_memory,
+    load_host_bytes,
     megatron_sequence_parallel,
     trainer_memory,
 )
@@ -229,9 +230,14 @@ def _choose_trainer(arch, dev, gpus, wl, budget) -> tuple[TrainerLayout | None, 
     return None, best[1] if best else {}
 
 
-def _host_ok(arch, dev, wl, lay) -> bool:
+def _host_need(arch, dev, wl, lay) -> tuple[float, float]:
+    """(offloaded state, building the model) bytes of host memory per node: its ranks at once."""
     per_node = min(lay.gpus, dev.gpus_per_node)
-    return host_bytes(arch, dev, wl, lay) * per_node <= dev.host_memory_gib * GIB
+    return host_bytes(arch, dev, wl, lay) * per_node, load_host_bytes(arch, dev, wl, lay) * per_node
+
+
+def _host_ok(arch, dev, wl, lay) -> bool:
+    return max(_host_need(arch, dev, wl, lay)) <= dev.host_memory_gib * GIB
 
 
 def _engine_for(dev: Device) -> str:
@@ -439,9 +445,16 @@ def check(arch: Arch, dev: Device, wl: Workload, gpus: int, trainer: TrainerLayo
         notes.append(f"micro_batch_tokens {trainer.micro_batch_tokens} < one sequence ({wl.seq_len} tokens): judged "
                      f"with micro-batches of one sequence (Tandem refuses longer rows)")
         trainer = replace(trainer, micro_batch_tokens=wl.seq_len)
-    if not _host_ok(arch, dev, wl, trainer):
-        need = host_bytes(arch, dev, wl, trainer) * min(tg, dev.gpus_per_node) / GIB
-        problems.append(f"offloaded state needs {need:.0f} GiB of host memory per node > {dev.host_memory_gib:.0f} GiB")
+    offloaded, building = _host_need(arch, dev, wl, trainer)
+    if offloaded > dev.host_memory_gib * GIB:
+        problems.append(f"offloaded state needs {offloaded / GIB:.0f} GiB of host memory per node > "
+                        f"{dev.host_memory_gib:.0f} GiB")
+    if building > dev.host_memory_gib * GIB:
+        whole = trainer.engine == "fsdp" and not arch.native
+        problems.append(f"building the model needs {building / GIB:.0f} GiB of host memory per node > "
+                        f"{dev.host_memory_gib:.0f} GiB" + (
+                            f" (each of its {min(tg, dev.gpus_per_node)} ranks loads the whole HF model in fp32 "
+                            "first; Tandem's sharded load covers the native model, docs/training.md)" if whole else ""))
     titems = trainer_memory(arch, dev, wl, trainer)
     iitems = inference_memory(arch, dev, wl, inference)
     if placement == "colocated":

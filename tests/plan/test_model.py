@@ -311,3 +311,30 @@ def test_the_native_width_bounds_what_the_native_model_keeps(family, dtype):
                 kv_heads=args.num_kv_heads, head_dim=args.head_dim, intermediate=args.intermediate_size, vocab=256,
                 native=True)
     assert 0.85 * arch.native_activation_width() <= kept <= arch.native_activation_width(), kept
+
+
+def test_building_the_model_counts_what_each_rank_loads_before_sharding():
+    """The host memory a node's ranks take while they build the model (`load_host_bytes`): the native model's
+    shards plus one module (fsdp/deferred.py), the whole model per rank for the HF fallback; the DeepSeek-V3
+    layout that was shipped until 2026-12-07 cannot start."""
+    from dataclasses import replace
+
+    from tandem.plan.hardware import GIB
+    from tandem.plan.memory import InferenceLayout, load_host_bytes
+    from tandem.plan.planner import check
+
+    llama, h100 = resolve_arch("meta-llama/Llama-3.1-70B-Instruct"), device("H100")
+    wl = Workload(prompt_len=1024, response_len=1024, prompts=8, samples=8)
+    p = llama.total_params()
+    dp8 = load_host_bytes(llama, h100, wl, TrainerLayout(gpus=8))
+    assert dp8 == 4 * (p / 8 + llama.vocab * llama.hidden)  # the embedding is the largest module
+    assert load_host_bytes(llama, h100, wl, TrainerLayout(gpus=1)) == 4 * p  # one process: loaded whole
+    assert load_host_bytes(llama, device("cpu"), wl, TrainerLayout(gpus=8)) == 0  # a CPU's budget counts it
+    dsv3 = resolve_arch("deepseek-ai/DeepSeek-V3")
+    assert not dsv3.native and load_host_bytes(dsv3, h100, wl, TrainerLayout(gpus=128)) == 4 * dsv3.total_params()
+    got = check(dsv3, device("H200"), replace(wl, response_len=8192, prompts=32), 128,
+                TrainerLayout(gpus=128, offload=True, activation_checkpointing=True, micro_batch_tokens=9216),
+                InferenceLayout(engine="vllm", tp=16, ep=16, replicas=8), "colocated")
+    assert not got.fits and "building the model needs" in got.reason
+    assert "each of its 8 ranks loads the whole HF model in fp32 first" in got.reason
+    assert 8 * 4 * dsv3.total_params() / GIB > device("H200").host_memory_gib

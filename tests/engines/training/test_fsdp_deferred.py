@@ -67,3 +67,29 @@ def test_a_weight_never_read_or_of_another_shape_is_named():
 def _any_embedding(later: DeferredWeights):
     owner, _ = next(iter(later._owners.values()))[0]
     return owner
+
+
+def test_a_qlora_base_is_quantized_as_it_is_read_in_one_process():
+    """QLoRA reads each targeted weight right before quantizing it (any world): the same quantized base, adapters
+    and log-probs as quantizing the whole loaded model, without the model ever in full precision."""
+    from tandem.engines.training.fsdp import FSDPConfig, FSDPEngine, ParallelConfig
+    from tandem.kernels import QuantConfig
+
+    from .helpers import make_batch
+
+    lora = LoRAConfig(rank=4, alpha=8.0, target_modules=("q_proj", "v_proj"),
+                      quantize_base=QuantConfig(format="fp8_block", block_size=(32, 32)))
+    engines = [FSDPEngine(FSDPConfig(model=ModelConfig(name="tiny-llama"), lora=lora, micro_batch_tokens=64,
+                                     parallel=ParallelConfig(sharded_load=on))) for on in (True, False)]
+    read, whole = engines
+    assert read.deferred_bytes > 0 and whole.deferred_bytes == 0
+    states = [dict(e.policy.module.state_dict()) for e in engines]
+    assert states[0].keys() == states[1].keys()
+    for name, t in states[0].items():
+        assert t.dtype == states[1][name].dtype and torch.equal(t.view(torch.uint8) if t.dtype.itemsize == 1 else t,
+                                                                states[1][name].view(torch.uint8)
+                                                                if t.dtype.itemsize == 1 else states[1][name]), name
+    batch = make_batch(seed=0)
+    assert torch.equal(read.forward_logprobs(batch).log_probs, whole.forward_logprobs(batch).log_probs)
+    for e in engines:
+        e.close()

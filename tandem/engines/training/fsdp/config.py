@@ -45,8 +45,8 @@ class ParallelConfig:
     # on a gloo group, FSDP's all-gather and reduce-scatter as point-to-point rings (fsdp/ring_comms.py):
     # no staging copies of a layer, a third to a half of gloo's time (a world-2 step 0.92-0.94x); false: gloo's
     ring_collectives: bool = True
-    # world > 1, native model, no QAT / QLoRA: each rank reads the weights module by module as it shards them
-    # (fsdp/deferred.py) instead of loading the whole model first; false: load whole, then shard
+    # world > 1, native model, no QAT: each rank reads the weights module by module as it shards them, and a QLoRA
+    # base (any world) each weight as it quantizes it (fsdp/deferred.py); false: load whole, then shard
     sharded_load: bool = True
 
     def __post_init__(self) -> None:

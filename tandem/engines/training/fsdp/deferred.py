@@ -10,9 +10,13 @@ module: FSDP copies this rank's rows and the whole tensors are freed. A rank's h
 its shards plus one decoder layer (or the embedding), whatever the model's size. Norms and other vectors are
 read as before. The values are the files' either way, so the model is the same bit for bit (tested).
 
-Not deferred (the whole model is loaded, then sharded, as before): one process (nothing to shard), the HF
-fallback (``packing: false`` or an architecture the native model lacks), QAT and QLoRA (their layers are built
-from the whole weights).
+A QLoRA base is read the same way in any world: `qlora.quantize_base` reads each targeted weight right before
+it quantizes it, so the base never exists in full precision (the rest of the model is read as it is sharded, or
+at once in one process, `read_rest`).
+
+Not deferred (the whole model is loaded, then sharded, as before): full fine-tuning and LoRA in one process
+(nothing to shard), the HF fallback (``packing: false`` or an architecture the native model lacks), QAT (its
+layers are built from whole weights).
 """
 
 from __future__ import annotations
@@ -69,6 +73,12 @@ class DeferredWeights:
                     new = nn.Parameter(t, requires_grad=p.requires_grad)
                     for owner, attr in self._owners.pop(key):
                         setattr(owner, attr, new)
+
+    def read_rest(self, lm: nn.Module) -> None:
+        """Read every weight of ``lm`` still deferred (a model that is not sharded: one process)."""
+        self.track(lm)
+        self.materialize(lm)
+        self.check_done()
 
     def check_done(self) -> None:
         """Raise if a deferred parameter was never read (a module sharded outside the layers and the root)."""

@@ -47,6 +47,7 @@ from tandem.engines.training.fsdp.modules import (
     LoadedLM,
     PolicyModel,
     apply_quantization,
+    check_native_needs,
     decoder_layers,
     load_lm,
     output_module_name,
@@ -158,20 +159,11 @@ class FSDPEngine:
         self._asleep = False
         self._closed = False
         torch.manual_seed(config.seed)  # LoRA and value-head init: the same values on every rank
-        loaded = load_lm(config.model, packing=config.packing, deferred=self._deferred(config.qat is None and (
-            config.lora is None or config.lora.quantize_base is None)))
+        loaded = load_lm(config.model, packing=config.packing, deferred=self._deferred(
+            config.qat is None, qlora=config.lora is not None and config.lora.quantize_base is not None))
         self.model_path, self.native = loaded.path, loaded.native
         self.max_context, self.moe_layers = loaded.max_context, loaded.moe_layers
-        if config.routing_replay and not (self.native and self.moe_layers):
-            raise ValueError(
-                f"routing_replay=True needs a native MoE model; {config.model.name} is "
-                f"{'a dense model' if self.native else 'served by the HF fallback'}"
-            )
-        if config.deterministic and not self.native:
-            raise ValueError(
-                f"deterministic=True needs the native packed model; {config.model.name} runs on the HF "
-                "fallback (packing=False or an unsupported architecture)"
-            )
+        check_native_needs(config, loaded)
         self._info = self._describe(loaded)
         hint_bf16(self.ctx, config.parallel.param_dtype, config.model.dtype)
         # the lean backward passes' native kernels (CPU, normal mode), or None: torch's
@@ -184,7 +176,8 @@ class FSDPEngine:
             if config.lora.quantize_base is not None:  # QLoRA: the frozen base held quantized
                 from tandem.engines.training.fsdp.qlora import quantize_base
 
-                quantize_base(loaded.lm, config.lora.quantize_base, output_module=output_module_name(loaded))
+                quantize_base(loaded.lm, config.lora.quantize_base, output_module=output_module_name(loaded),
+                              deferred=loaded.deferred)
         self.policy = _Trainable(
             self._shard(PolicyModel(loaded), loaded, trainable=True),
             config.optimizer,
@@ -193,14 +186,15 @@ class FSDPEngine:
         )
         self.ref = self._build_ref()
         self.critic = self._build_critic(critic_lr_lambda)
-        if self.ctx.sharded:  # each rank loaded whole models and kept its shards: the rest back to the system
+        if self.ctx.sharded:  # what loading and sharding freed, back to the system
             release_free_memory()
 
     # -- building -------------------------------------------------------------------------------------
 
-    def _deferred(self, allowed: bool) -> bool:
-        """Whether a model loads with its matrices read as it is sharded (fsdp/deferred.py)."""
-        return allowed and self.ctx.sharded and self.config.parallel.sharded_load
+    def _deferred(self, allowed: bool, qlora: bool = False) -> bool:
+        """Whether a model loads with its matrices read as it is sharded, or a QLoRA base as it is quantized
+        (in any world; fsdp/deferred.py)."""
+        return self.config.parallel.sharded_load and (qlora or (allowed and self.ctx.sharded))
 
     def _describe(self, loaded: LoadedLM) -> EngineInfo:
         """The policy forward as `EngineInfo` reports it (constant for the engine's life)."""
@@ -232,12 +226,16 @@ class FSDPEngine:
                 later.track(loaded.lm)  # the final modules (LoRA applied, a critic's head dropped)
             ignored = self._shard_vocabulary(root, loaded, offload) if isinstance(root, PolicyModel) else None
             apply_fsdp(root, layers, self.ctx, self.config.parallel, offload=offload, ignored=ignored,
-                       before_shard=later.materialize if later is not None else None)
+                       before_shard=later and later.materialize)
             if later is not None:
                 later.check_done()
                 self.deferred_bytes += later.read_bytes
-        elif not offload:  # an offloaded single-process model visits the device per forward
-            root.to(self.ctx.device)
+        else:
+            if loaded.deferred is not None:  # one process (QLoRA, quantized as read): the rest read now
+                loaded.deferred.read_rest(loaded.lm)
+                self.deferred_bytes += loaded.deferred.read_bytes
+            if not offload:  # an offloaded single-process model visits the device per forward
+                root.to(self.ctx.device)
         return root
 
     def _shard_vocabulary(self, root: PolicyModel, loaded: LoadedLM, offload: bool) -> set[nn.Parameter] | None:

@@ -33,7 +33,7 @@ from tandem.ops.batch_invariant import packed_attention
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CriticModel", "LoadedLM", "PolicyModel", "apply_quantization", "decoder_layers", "load_lm",
+__all__ = ["CriticModel", "LoadedLM", "PolicyModel", "apply_quantization", "check_native_needs", "decoder_layers", "load_lm",
            "output_module_name"]
 
 
@@ -82,6 +82,20 @@ def load_lm(cfg: ModelConfig, *, packing: bool, deferred: bool = False) -> Loade
         )
     ctx = getattr(lm.config, "max_position_embeddings", None) or getattr(lm.config, "n_positions", None)
     return LoadedLM(lm=lm, native=False, path=str(path), max_context=ctx)
+
+
+def check_native_needs(cfg, loaded: LoadedLM) -> None:
+    """Raise ValueError for an `FSDPConfig` setting that needs the native model ``loaded`` is not."""
+    if cfg.routing_replay and not (loaded.native and loaded.moe_layers):
+        raise ValueError(
+            f"routing_replay=True needs a native MoE model; {cfg.model.name} is "
+            f"{'a dense model' if loaded.native else 'served by the HF fallback'}"
+        )
+    if cfg.deterministic and not loaded.native:
+        raise ValueError(
+            f"deterministic=True needs the native packed model; {cfg.model.name} runs on the HF "
+            "fallback (packing=False or an unsupported architecture)"
+        )
 
 
 def apply_quantization(loaded: LoadedLM, cfg: QuantConfig) -> list[str]:

@@ -99,16 +99,22 @@ def _set(root: nn.Module, name: str, module: nn.Module) -> None:
 
 
 @torch.no_grad()
-def quantize_base(lm: nn.Module, cfg: QuantConfig, *, output_module: str | None) -> list[str]:
+def quantize_base(lm: nn.Module, cfg: QuantConfig, *, output_module: str | None, deferred=None) -> list[str]:
     """Replace the targeted linears of ``lm`` (already LoRA-injected or not) by `QuantizedLinear`, in place;
     a LoRA'd layer keeps its adapters and gets a quantized ``base_layer``. Returns the targeted names
-    (their HF names, without peft's ``base_layer``). Call before sharding."""
+    (their HF names, without peft's ``base_layer``). Call before sharding. ``deferred``: the model's matrices
+    are on the meta device (`fsdp.deferred.DeferredWeights`): each target's weight is read right before it is
+    quantized, so the model never exists in full precision (the rest is read later, as it is sharded)."""
     plain = {n.replace(".base_layer", ""): m for n, m in lm.named_modules() if isinstance(m, nn.Linear)
              and ".lora_" not in n}
     targets = qat_targets(_NamedView(plain), cfg, output_module=output_module)
     del plain  # the float weights it names go as each layer is replaced
+    if deferred is not None:
+        deferred.track(lm)
     for hf_name in targets:
         wrapped = lm.get_submodule(hf_name)
+        if deferred is not None:
+            deferred.materialize(wrapped)
         if hasattr(wrapped, "base_layer"):  # a LoraLinear (fsdp/lora.py)
             wrapped.base_layer = QuantizedLinear(wrapped.base_layer, cfg)
         else:
