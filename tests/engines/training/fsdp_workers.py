@@ -20,6 +20,7 @@ from tandem.engines.training.fsdp import (
     LoRAConfig,
     OptimizerConfig,
     ParallelConfig,
+    RefConfig,
 )
 from tandem.engines.training.fsdp.vocab_parallel import VocabParallelEmbedding
 from tandem.models import ModelConfig
@@ -49,6 +50,8 @@ CASES: dict[str, tuple[dict, list[list[int]] | None]] = {
         None,
     ),
     "lora": ({"micro_batch_tokens": 20, "lora": LoRAConfig(rank=4, target_modules=("q_proj", "up_proj"))}, None),
+    # a frozen reference model for KL, built (and read as it is sharded) beside the policy
+    "reference": ({"micro_batch_tokens": 20, "ref": RefConfig()}, None),
     # the whole model loaded, then sharded (every other native case reads its weights as it shards them)
     "whole-load": ({"micro_batch_tokens": 20, "parallel": ParallelConfig(sharded_load=False)}, None),
     # GRPO-like batches whose groups share prompts, split as the engine splits them (groups kept on one rank)
@@ -91,9 +94,11 @@ def two_steps(engine: FSDPEngine, rank: int, world: int, split, case: str = "") 
     m1 = engine._finish_step(engine.policy, "policy", stats, 0.0)
     m2 = engine.train_step(second.select(local_rows(second, rank, world, split)), token_mean_pg)
     logp = engine.forward_logprobs(first.select(rows)).log_probs
+    ref = engine.forward_logprobs(first.select(rows), model="ref").log_probs if engine.ref is not None else None
     embed = engine.policy.module.lm.model.embed_tokens
     return {"grads": grads, "metrics": [m1, m2], "weights": sync_weights(engine), "rows": rows, "logp": logp,
-            "vocab_parallel": isinstance(embed, VocabParallelEmbedding), "deferred_bytes": engine.deferred_bytes}
+            "vocab_parallel": isinstance(embed, VocabParallelEmbedding), "deferred_bytes": engine.deferred_bytes,
+            "ref_logp": ref}
 
 
 def equivalence(rank: int, world: int, out_dir: str) -> None:

@@ -41,8 +41,10 @@ def _single_process(overrides: dict, case: str = "") -> dict:
     grads = engine_grads(engine)
     m1 = engine._finish_step(engine.policy, "policy", stats, 0.0)
     m2 = engine.train_step(workers.case_batch(case, 1), token_mean_pg)
+    first = workers.case_batch(case, 0)
     return {"grads": grads, "metrics": [m1, m2], "weights": sync_weights(engine),
-            "logp": engine.forward_logprobs(workers.case_batch(case, 0)).log_probs}
+            "logp": engine.forward_logprobs(first).log_probs,
+            "ref_logp": engine.forward_logprobs(first, model="ref").log_probs if engine.ref is not None else None}
 
 
 @pytest.mark.parametrize("case", list(workers.CASES))
@@ -64,6 +66,10 @@ def test_sharded_step_equals_single_process(spawned, case):
         assert (r["logp"] - want).abs().max() < 1e-5
     if case == "lora":
         assert all(".lora_" in n for n in ranks[0]["grads"])
+    if case == "reference":  # the frozen model, read as it was sharded, gives the single process's log-probs
+        for r in ranks:
+            want = ref["ref_logp"][r["rows"], : r["ref_logp"].shape[1]]
+            assert (r["ref_logp"] - want).abs().max() < 1e-5 and not torch.equal(r["ref_logp"], r["logp"])
     if case == "shared-prompts":  # each rank holds whole groups: a prompt is fed once on one rank
         assert sorted(ranks[0]["rows"] + ranks[1]["rows"]) == list(range(8))
         assert all(len({i // 2 for i in r["rows"]}) * 2 == len(r["rows"]) for r in ranks)
