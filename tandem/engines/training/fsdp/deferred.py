@@ -12,7 +12,7 @@ read as before. The values are the files' either way, so the model is the same b
 
 A QLoRA base is read the same way in any world: `qlora.quantize_base` reads each targeted weight right before
 it quantizes it, so the base never exists in full precision (the rest of the model is read as it is sharded, or
-at once in one process, `read_rest`).
+at once in one process).
 
 Not deferred (the whole model is loaded, then sharded, as before): full fine-tuning and LoRA in one process
 (nothing to shard), the HF fallback (``packing: false`` or an architecture the native model lacks), QAT (its
@@ -73,12 +73,6 @@ class DeferredWeights:
                     new = nn.Parameter(t, requires_grad=p.requires_grad)
                     for owner, attr in self._owners.pop(key):
                         setattr(owner, attr, new)
-
-    def read_rest(self, lm: nn.Module) -> None:
-        """Read every weight of ``lm`` still deferred (a model that is not sharded: one process)."""
-        self.track(lm)
-        self.materialize(lm)
-        self.check_done()
 
     def check_done(self) -> None:
         """Raise if a deferred parameter was never read (a module sharded outside the layers and the root)."""

@@ -220,22 +220,21 @@ class FSDPEngine:
         layers = decoder_layers(loaded.lm, loaded.native)
         if trainable and self.config.parallel.activation_checkpointing:
             enable_activation_checkpointing(layers)
+        later = loaded.deferred  # matrices still on the meta device (fsdp/deferred.py)
+        if later is not None:
+            later.track(loaded.lm)  # the final modules (LoRA applied, a critic's head dropped)
         if self.ctx.sharded:
-            later = loaded.deferred
-            if later is not None:
-                later.track(loaded.lm)  # the final modules (LoRA applied, a critic's head dropped)
             ignored = self._shard_vocabulary(root, loaded, offload) if isinstance(root, PolicyModel) else None
             apply_fsdp(root, layers, self.ctx, self.config.parallel, offload=offload, ignored=ignored,
-                       before_shard=later and later.materialize)
-            if later is not None:
-                later.check_done()
-                self.deferred_bytes += later.read_bytes
+                       before_shard=later.materialize if later is not None else None)
         else:
-            if loaded.deferred is not None:  # one process (QLoRA, quantized as read): the rest read now
-                loaded.deferred.read_rest(loaded.lm)
-                self.deferred_bytes += loaded.deferred.read_bytes
+            if later is not None:  # one process (a QLoRA base, quantized as read): the rest read now
+                later.materialize(loaded.lm)
             if not offload:  # an offloaded single-process model visits the device per forward
                 root.to(self.ctx.device)
+        if later is not None:
+            later.check_done()
+            self.deferred_bytes += later.read_bytes
         return root
 
     def _shard_vocabulary(self, root: PolicyModel, loaded: LoadedLM, offload: bool) -> set[nn.Parameter] | None:
