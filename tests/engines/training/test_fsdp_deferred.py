@@ -93,3 +93,30 @@ def test_a_qlora_base_is_quantized_as_it_is_read_in_one_process():
     assert torch.equal(read.forward_logprobs(batch).log_probs, whole.forward_logprobs(batch).log_probs)
     for e in engines:
         e.close()
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-llama"])
+def test_the_hf_model_is_read_module_by_module_where_its_checkpoint_names_its_parameters(model):
+    """The HF fallback (``packing: false``) builds on the meta device and reads its parameters by name, as
+    `from_pretrained` would: the same parameters, buffers, mode and logits."""
+    eager = load_lm(ModelConfig(name=model), packing=False).lm
+    loaded = load_lm(ModelConfig(name=model), packing=False, deferred=True)
+    assert not loaded.native and loaded.deferred is not None
+    loaded.deferred.track(loaded.lm)
+    for layer in decoder_layers(loaded.lm, False):
+        loaded.deferred.materialize(layer)
+    loaded.deferred.materialize(loaded.lm)
+    loaded.deferred.check_done()
+    got, want = loaded.lm.state_dict(), eager.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert loaded.lm.training == eager.training is False
+    ids = torch.randint(0, 500, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded.lm(ids).logits, eager(ids).logits)
+
+
+def test_an_hf_model_whose_checkpoint_transformers_converts_loads_whole():
+    # transformers fuses DeepSeek-V3's per-expert weights into one tensor per layer while loading: the checkpoint
+    # does not name the model's parameters, so it cannot be read by name
+    loaded = load_lm(ModelConfig(name="tiny-deepseek-v3"), packing=False, deferred=True)
+    assert loaded.deferred is None and not any(p.is_meta for p in loaded.lm.parameters())

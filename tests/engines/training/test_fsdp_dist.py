@@ -76,9 +76,9 @@ def test_sharded_step_equals_single_process(spawned, case):
         fed = [r["metrics"][0]["train/tokens"] for r in ranks]  # summed over the ranks
         per_row = float(workers.case_batch(case, 0).seq_lengths.sub(1).sum())
         assert fed[0] == fed[1] == ref["metrics"][0]["train/tokens"] < per_row
-    # a native model reads its matrices module by module as it is sharded (fsdp/deferred.py): every one of them,
-    # once per rank; the HF fallback and `sharded_load: false` load the whole model first
-    deferred = case not in ("padded-micro-batches", "whole-load")
+    # the model's matrices are read module by module as it is sharded (fsdp/deferred.py): every one of them, once
+    # per rank, on the native model and the HF one (padded); `sharded_load: false` loads the whole model first
+    deferred = case != "whole-load"
     assert all((r["deferred_bytes"] > 0.9 * workers.matrix_bytes()) if deferred else r["deferred_bytes"] == 0
                for r in ranks), [r["deferred_bytes"] for r in ranks]
     # the native model on a 1-D mesh uses the embedding / LM head by vocabulary shard (fsdp/vocab_parallel.py);

@@ -14,13 +14,21 @@ A QLoRA base is read the same way in any world: `qlora.quantize_base` reads each
 it quantizes it, so the base never exists in full precision (the rest of the model is read as it is sharded, or
 at once in one process).
 
+The HF fallback (``packing: false``, or an architecture the native model lacks) is read the same way where its
+checkpoint names the model's parameters with their shapes (`hf_on_meta`: the model built with its parameters on
+the meta device, buffers computed or read as `from_pretrained` gives them). Where transformers converts the
+checkpoint while loading (a MoE's per-expert weights fused into one tensor per layer: DeepSeek-V3, GLM-4.5), it
+loads whole.
+
 Not deferred (the whole model is loaded, then sharded, as before): full fine-tuning and LoRA in one process
-(nothing to shard), the HF fallback (``packing: false`` or an architecture the native model lacks), QAT (its
-layers are built from whole weights).
+(nothing to shard), an HF model whose checkpoint transformers converts, QAT (its layers are built from whole
+weights).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -28,9 +36,49 @@ from torch import nn
 
 from tandem.models.safetensors_read import SafetensorsIndex
 
-__all__ = ["DeferredWeights", "deferred_names"]
+__all__ = ["DeferredWeights", "deferred_names", "hf_on_meta"]
 
 _LORA_BASE = ".base_layer."  # fsdp/lora.py keeps a LoRA'd linear's weight under X.base_layer.weight
+
+
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Modules built inside get their parameters on the meta device, their buffers where they are computed
+    (a rotary embedding's ``inv_freq``): each parameter moves to meta as it is registered, before any
+    initialisation runs on it."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def hf_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | None):
+    """``(model, DeferredWeights)``: the HF model of folder ``path`` with its parameters on the meta device and
+    its persistent buffers read from the files; or None where the checkpoint's names or shapes are not the
+    model's (transformers converts them while loading, e.g. a MoE's per-expert weights fused into one tensor:
+    such a model loads whole)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    index = SafetensorsIndex(sorted(Path(path).glob("*.safetensors")))
+    with _parameters_on_meta():
+        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=dtype,
+                                              attn_implementation=attn_implementation)
+    if any(n not in index or index.shape(n) != tuple(p.shape) for n, p in lm.named_parameters()):
+        return None
+    for prefix, module in lm.named_modules():
+        for name, buf in module._buffers.items():
+            full = f"{prefix}.{name}" if prefix else name
+            if buf is not None and name not in module._non_persistent_buffers_set and full in index:
+                buf.copy_(index.read(full, buf.dtype))
+    return lm.eval(), DeferredWeights(path, index, dtype)  # eval: as `from_pretrained` returns it
 
 
 def deferred_names(index: SafetensorsIndex) -> list[str]:
@@ -65,7 +113,7 @@ class DeferredWeights:
                 key = id(p)
                 if p.is_meta and key in self._names:
                     name = self._names.pop(key)
-                    t = self.index.read(name, self.dtype)
+                    t = self.index.read(name, p.dtype)  # the model's dtype for it (HF may keep some in fp32)
                     if tuple(t.shape) != tuple(p.shape):
                         raise ValueError(f"{self.path}: {name} has shape {tuple(t.shape)} in the checkpoint, "
                                          f"the model expects {tuple(p.shape)}")

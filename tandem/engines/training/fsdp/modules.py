@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from tandem.engines.training.common import MicroBatch
-from tandem.engines.training.fsdp.deferred import DeferredWeights, deferred_names
+from tandem.engines.training.fsdp.deferred import DeferredWeights, deferred_names, hf_on_meta
 from tandem.engines.training.fsdp.vocab_parallel import VocabParallelEmbedding, vocab_parallel_logprobs
 from tandem.kernels.config import QuantConfig
 from tandem.kernels.qat import apply_qat, qat_targets
@@ -50,8 +50,8 @@ class LoadedLM:
 
 def load_lm(cfg: ModelConfig, *, packing: bool, deferred: bool = False) -> LoadedLM:
     """Load ``cfg``'s model: the native implementation when ``packing`` and supported, else HF's.
-    ``deferred``: the native model's matrices stay on the meta device for `DeferredWeights` (the HF model
-    loads whole)."""
+    ``deferred``: the native model's matrices (an HF model's parameters, where its checkpoint names them as
+    the model does) stay on the meta device for `DeferredWeights`."""
     path = resolve_model(cfg.name)
     if packing:
         try:
@@ -72,16 +72,21 @@ def load_lm(cfg: ModelConfig, *, packing: bool, deferred: bool = False) -> Loade
     from transformers import AutoModelForCausalLM
 
     quiet_transformers()
-    lm = AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation
-    )
+    built = hf_on_meta(path, cfg.torch_dtype, cfg.attn_implementation) if deferred else None
+    if built is not None:
+        lm, later = built
+    else:
+        later = None
+        lm = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=cfg.torch_dtype, attn_implementation=cfg.attn_implementation
+        )
     head = lm.get_output_embeddings()
     if getattr(head, "bias", None) is not None or getattr(lm.config, "final_logit_softcapping", None):
         raise UnsupportedModelError(
             f"{cfg.name}: an LM head with a bias or logit soft-capping is not supported by the padded path"
         )
     ctx = getattr(lm.config, "max_position_embeddings", None) or getattr(lm.config, "n_positions", None)
-    return LoadedLM(lm=lm, native=False, path=str(path), max_context=ctx)
+    return LoadedLM(lm=lm, native=False, path=str(path), max_context=ctx, deferred=later)
 
 
 def check_native_needs(cfg, loaded: LoadedLM) -> None:
