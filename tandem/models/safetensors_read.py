@@ -110,6 +110,21 @@ class SafetensorsIndex:
     def names(self) -> list[str]:
         return list(self._where)
 
+    def read_rows(self, name: str, start: int, stop: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Rows ``[start, stop)`` of tensor ``name`` (its first dimension), read alone: they lie contiguous in
+        the row-major file."""
+        if name not in self._where:
+            raise KeyError(f"{name!r} is not in the safetensors files ({len(self._where)} tensors)")
+        path, info, begin, size = self._where[name]
+        shape = info["shape"]
+        if not shape or not 0 <= start <= stop <= shape[0]:
+            raise ValueError(f"{path}: rows [{start}, {stop}) of {name} (shape {shape}) are out of range")
+        row = (info["data_offsets"][1] - info["data_offsets"][0]) // max(1, shape[0])
+        part = dict(info, shape=[stop - start, *shape[1:]],
+                    data_offsets=[info["data_offsets"][0] + start * row, info["data_offsets"][0] + stop * row])
+        with open(path, "rb", buffering=0) as f:
+            return _read(f, path, name, part, begin, size, dtype)
+
     def read(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Tensor ``name`` (``dtype``: a floating-point tensor converted to it). KeyError names a missing one."""
         if name not in self._where:

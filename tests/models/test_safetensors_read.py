@@ -115,3 +115,20 @@ def test_the_index_reads_any_tensor_by_name_as_the_sequential_reader_does(tmp_pa
     assert index.read(float_name, torch.bfloat16).dtype == torch.bfloat16
     with pytest.raises(KeyError, match="'nope' is not in the safetensors files"):
         index.read("nope")
+
+
+def test_the_index_reads_a_range_of_rows_alone(tmp_path):
+    from tandem.models.safetensors_read import SafetensorsIndex
+
+    tensors = _tensors()
+    save_file(tensors, str(tmp_path / "m.safetensors"))
+    index = SafetensorsIndex([tmp_path / "m.safetensors"])
+    for name in ("f32", "bf16", "i64"):
+        full = tensors[name]
+        for start, stop in ((0, 1), (1, full.shape[0]), (2, 2)):
+            assert torch.equal(index.read_rows(name, start, stop), full[start:stop]), (name, start, stop)
+    assert index.read_rows("f32", 1, 3, torch.float64).dtype == torch.float64
+    with pytest.raises(ValueError, match=r"rows \[5, 9\) of f32 \(shape \[7, 5\]\) are out of range"):
+        index.read_rows("f32", 5, 9)
+    with pytest.raises(ValueError, match="out of range"):
+        index.read_rows("scalar", 0, 1)

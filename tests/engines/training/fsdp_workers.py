@@ -59,13 +59,16 @@ CASES: dict[str, tuple[dict, list[list[int]] | None]] = {
 }
 
 
-def matrix_bytes() -> int:
-    """Bytes of the tiny model's checkpoint tensors of two or more dimensions (what a sharded load defers)."""
+def checkpoint_bytes() -> tuple[int, int, int]:
+    """fp32 bytes of the tiny model's checkpoint tensors of two or more dimensions (what a sharded load of the
+    native model defers), of the others (vectors: the HF model defers them too), and of its embedding."""
     from tandem.models import resolve_model
     from tandem.models.safetensors_read import SafetensorsIndex
 
     index = SafetensorsIndex(sorted(resolve_model(TINY).glob("*.safetensors")))
-    return sum(4 * math.prod(index.shape(n)) for n in index.names() if len(index.shape(n)) >= 2)
+    size = {n: 4 * math.prod(index.shape(n)) for n in index.names()}
+    matrices = sum(b for n, b in size.items() if len(index.shape(n)) >= 2)
+    return matrices, sum(size.values()) - matrices, size["model.embed_tokens.weight"]
 
 
 def case_batch(case: str, seed: int) -> TrainBatch:

@@ -122,6 +122,15 @@ class DeferredWeights:
                     for owner, attr in self._owners.pop(key):
                         setattr(owner, attr, new)
 
+    def read_rows(self, p: nn.Parameter, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of deferred parameter ``p``, read alone (a vocabulary shard of the embedding);
+        ``p`` is then the caller's to replace."""
+        name = self._names.pop(id(p))
+        self._owners.pop(id(p), None)
+        t = self.index.read_rows(name, start, stop, p.dtype)
+        self.read_bytes += t.numel() * t.element_size()
+        return t
+
     def check_done(self) -> None:
         """Raise if a deferred parameter was never read (a module sharded outside the layers and the root)."""
         if self._names:

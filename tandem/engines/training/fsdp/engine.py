@@ -249,10 +249,8 @@ class FSDPEngine:
             log.info("vocab_parallel: not used (%s)", why)
             return None
         dtype = DTYPES[par.param_dtype] if par.param_dtype else None
-        if loaded.deferred is not None:  # the embedding and the LM head are sharded by rows here, not by FSDP
-            loaded.deferred.materialize(root.lm.model.embed_tokens)
-            loaded.deferred.materialize(root.lm.lm_head)
-        return shard_vocabulary(root.lm, self.ctx.mesh, self.ctx.device, dtype)
+        rows = loaded.deferred.read_rows if loaded.deferred is not None else None  # this rank's rows alone
+        return shard_vocabulary(root.lm, self.ctx.mesh, self.ctx.device, dtype, rows)
 
     def _build_ref(self) -> PolicyModel | None:
         rc = self.config.ref

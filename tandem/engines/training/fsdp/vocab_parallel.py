@@ -230,27 +230,31 @@ class VocabParallelEmbedding(nn.Module):
         return f"{vs.vocab}, {self.weight.shape[1]}, rows=[{vs.start}, {vs.stop}) of rank {vs.rank}/{vs.world}"
 
 
-def _as_shard(p: nn.Parameter, mesh: Any, vs: VocabShard, device: torch.device) -> nn.Parameter:
+def _as_shard(p: nn.Parameter, mesh: Any, vs: VocabShard, device: torch.device, read_rows=None) -> nn.Parameter:
     from torch.distributed.tensor import DTensor, Shard
 
-    local = p.detach()[vs.start : vs.stop].to(device, copy=True)
+    if p.is_meta and read_rows is not None:  # not read yet (fsdp/deferred.py): this rank's rows alone
+        local = read_rows(p, vs.start, vs.stop).to(device)
+    else:
+        local = p.detach()[vs.start : vs.stop].to(device, copy=True)
     dt = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
     return nn.Parameter(dt, requires_grad=p.requires_grad)
 
 
 def shard_vocabulary(
-    lm: nn.Module, mesh: Any, device: torch.device, compute_dtype: torch.dtype | None
+    lm: nn.Module, mesh: Any, device: torch.device, compute_dtype: torch.dtype | None, read_rows=None
 ) -> set[nn.Parameter]:
     """Replace a native `CausalLM`'s embedding (and its LM head's weight, tied or not) by vocabulary
-    shards on the 1-D ``mesh``, in place, before ``fully_shard``; returns the parameters FSDP must ignore."""
+    shards on the 1-D ``mesh``, in place, before ``fully_shard``; returns the parameters FSDP must ignore.
+    ``read_rows(p, start, stop)``: a weight still on the meta device is read this way, this rank's rows only."""
     group, world, rank = mesh.get_group(), mesh.size(), mesh.get_local_rank()
     embed, head = lm.model.embed_tokens, lm.lm_head
     tied = head.weight is embed.weight
     vocab = embed.weight.shape[0]
     vs = VocabShard(group, rank, world, *vocab_rows(vocab, world, rank), vocab)
-    weight = _as_shard(embed.weight, mesh, vs, device)
+    weight = _as_shard(embed.weight, mesh, vs, device, read_rows)
     lm.model.embed_tokens = VocabParallelEmbedding(weight, vs, compute_dtype)
-    head.weight = weight if tied else _as_shard(head.weight, mesh, vs, device)
+    head.weight = weight if tied else _as_shard(head.weight, mesh, vs, device, read_rows)
     return {weight, head.weight}
 
 
