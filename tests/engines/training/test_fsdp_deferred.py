@@ -58,7 +58,7 @@ def test_a_weight_never_read_or_of_another_shape_is_named():
         def read(self, name, dtype=None):
             return torch.zeros(3, 3)
 
-    wrong = DeferredWeights("folder", Shorter(), torch.float32)
+    wrong = DeferredWeights("folder", Shorter())
     wrong.track(_loaded("tiny-llama", deferred=True, lora=False).lm)
     with pytest.raises(ValueError, match=r"folder: model\.embed_tokens\.weight has shape \(3, 3\) in the checkpoint"):
         wrong.materialize(_any_embedding(wrong))

@@ -28,6 +28,7 @@ weights).
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,11 +46,12 @@ _LORA_BASE = ".base_layer."  # fsdp/lora.py keeps a LoRA'd linear's weight under
 def _parameters_on_meta() -> Iterator[None]:
     """Modules built inside get their parameters on the meta device, their buffers where they are computed
     (a rotary embedding's ``inv_freq``): each parameter moves to meta as it is registered, before any
-    initialisation runs on it."""
-    register = nn.Module.register_parameter
+    initialisation runs on it. It patches `nn.Module.register_parameter` while it lasts, for this thread's
+    calls only (another thread building modules meanwhile keeps its parameters)."""
+    register, builder = nn.Module.register_parameter, threading.get_ident()
 
     def on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
-        if param is not None and not param.is_meta:
+        if param is not None and not param.is_meta and threading.get_ident() == builder:
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
@@ -78,7 +80,7 @@ def hf_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | None):
             full = f"{prefix}.{name}" if prefix else name
             if buf is not None and name not in module._non_persistent_buffers_set and full in index:
                 buf.copy_(index.read(full, buf.dtype))
-    return lm.eval(), DeferredWeights(path, index, dtype)  # eval: as `from_pretrained` returns it
+    return lm.eval(), DeferredWeights(path, index)  # eval: as `from_pretrained` returns it
 
 
 def deferred_names(index: SafetensorsIndex) -> list[str]:
@@ -89,8 +91,8 @@ def deferred_names(index: SafetensorsIndex) -> list[str]:
 class DeferredWeights:
     """The meta parameters of one model and where each comes from (its checkpoint name)."""
 
-    def __init__(self, path: str | Path, index: SafetensorsIndex, dtype: torch.dtype) -> None:
-        self.path, self.index, self.dtype = str(path), index, dtype
+    def __init__(self, path: str | Path, index: SafetensorsIndex) -> None:
+        self.path, self.index = str(path), index
         self._names: dict[int, str] = {}  # id(meta parameter) -> checkpoint name
         self._owners: dict[int, list[tuple[nn.Module, str]]] = {}  # every module holding it (ties)
         self.read_bytes = 0

@@ -59,7 +59,7 @@ def load_lm(cfg: ModelConfig, *, packing: bool, deferred: bool = False) -> Loade
             if deferred:
                 index = SafetensorsIndex(sorted(path.glob("*.safetensors")))
                 lm = CausalLM.from_pretrained(path, dtype=cfg.torch_dtype, unallocated=deferred_names(index))
-                later = DeferredWeights(path, index, cfg.torch_dtype)
+                later = DeferredWeights(path, index)
             else:
                 lm = CausalLM.from_pretrained(path, dtype=cfg.torch_dtype)
             args = lm.args
