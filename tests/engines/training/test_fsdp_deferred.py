@@ -120,3 +120,19 @@ def test_an_hf_model_whose_checkpoint_transformers_converts_loads_whole():
     # does not name the model's parameters, so it cannot be read by name
     loaded = load_lm(ModelConfig(name="tiny-deepseek-v3"), packing=False, deferred=True)
     assert loaded.deferred is None and not any(p.is_meta for p in loaded.lm.parameters())
+
+
+def test_parameters_go_to_meta_only_for_the_thread_that_builds():
+    import threading
+
+    from tandem.engines.training.fsdp.deferred import _parameters_on_meta
+
+    other = {}
+    with _parameters_on_meta():
+        mine = torch.nn.Linear(4, 3)
+        t = threading.Thread(target=lambda: other.setdefault("m", torch.nn.Linear(4, 3)))
+        t.start()
+        t.join()
+    assert mine.weight.is_meta and mine.bias.is_meta
+    assert not other["m"].weight.is_meta and other["m"].weight.abs().sum() > 0  # initialised as usual
+    assert not torch.nn.Linear(2, 2).weight.is_meta  # and nothing after it
