@@ -18,6 +18,9 @@ from tandem.plan.planner import Plan
 __all__ = ["RecipeError", "recipe_dict"]
 
 
+LORA_OPTIMIZER = {"lr": 1.0e-5, "grad_clip": 1.0}  # adapters train at a higher rate than full weights
+
+
 class RecipeError(ValueError):
     """The plan names something no Tandem engine can run yet."""
 
@@ -42,7 +45,7 @@ def _trainer(p: Plan) -> dict[str, Any]:
                          "distributed_optimizer": True},
             "micro_batch_tokens": t.micro_batch_tokens, "optimizer": opt, "transformer_config": tc}
         if wl.lora_rank:  # megatron/lora.py: the local layer spec (TE's fuses the norm into the adapted layers)
-            megatron |= {"lora": _lora(wl), "layer_spec": "local", "optimizer": {"lr": 1.0e-5, "grad_clip": 1.0}}
+            megatron |= {"lora": _lora(wl), "layer_spec": "local", "optimizer": dict(LORA_OPTIMIZER)}
         return {"engine": "megatron", "megatron": megatron}
     fsdp: dict[str, Any] = {"micro_batch_tokens": t.micro_batch_tokens, "optimizer": opt,
                             "parallel": {"activation_checkpointing": t.activation_checkpointing,
@@ -53,7 +56,7 @@ def _trainer(p: Plan) -> dict[str, Any]:
         fsdp["lora"] = _lora(wl)
         if wl.quantize_base:
             fsdp["lora"]["quantize_base"] = {"format": wl.quantize_base}
-        fsdp["optimizer"] = {"lr": 1.0e-5, "grad_clip": 1.0}
+        fsdp["optimizer"] = dict(LORA_OPTIMIZER)
     return {"engine": "fsdp", "fsdp": fsdp}
 
 
