@@ -59,16 +59,22 @@ CASES: dict[str, tuple[dict, list[list[int]] | None]] = {
 }
 
 
-def checkpoint_bytes() -> tuple[int, int, int]:
-    """fp32 bytes of the tiny model's checkpoint tensors of two or more dimensions (what a sharded load of the
-    native model defers), of the others (vectors: the HF model defers them too), and of its embedding."""
+def deferred_bytes(rank: int, shard_world: int, *, vectors: bool) -> int:
+    """fp32 bytes of the tiny model's checkpoint a rank reads as it shards it: its rows (FSDP's and the
+    vocabulary shard's split of dim 0: chunks of ceil(rows / world)) of every tensor of two or more dimensions,
+    and of the vectors too where ``vectors`` (the HF model defers them as well)."""
     from tandem.models import resolve_model
     from tandem.models.safetensors_read import SafetensorsIndex
 
     index = SafetensorsIndex(sorted(resolve_model(TINY).glob("*.safetensors")))
-    size = {n: 4 * math.prod(index.shape(n)) for n in index.names()}
-    matrices = sum(b for n, b in size.items() if len(index.shape(n)) >= 2)
-    return matrices, sum(size.values()) - matrices, size["model.embed_tokens.weight"]
+    total = 0
+    for name in index.names():
+        shape = index.shape(name)
+        if len(shape) >= 2 or vectors:
+            chunk = -(-shape[0] // shard_world)
+            rows = max(0, min(shape[0], (rank + 1) * chunk) - rank * chunk)
+            total += 4 * rows * math.prod(shape[1:])
+    return total
 
 
 def case_batch(case: str, seed: int) -> TrainBatch:
@@ -168,3 +174,17 @@ def load_continue(rank: int, world: int, out_dir: str, ckpt_dir: str) -> None:
 def first_spawn(rank: int, world: int, out_dir: str, ckpt_dir: str) -> None:
     equivalence(rank, world, out_dir)
     train_save_continue(rank, world, out_dir, ckpt_dir)
+
+
+def uneven_load(rank: int, world: int, out_dir: str) -> None:
+    """World 3: tiny-llama's 32 / 64 / 128 / 512 rows split unevenly (11/11/10, ...). The model read row by row as
+    it is sharded against the model loaded whole and then sharded: their weights after loading and after one step."""
+    out = {}
+    for name, on in (("read", True), ("whole", False)):
+        engine = FSDPEngine(config(micro_batch_tokens=20, parallel=ParallelConfig(sharded_load=on)))
+        before = sync_weights(engine)
+        batch = make_batch(seed=0)
+        engine.train_step(batch.select(split_for_data_parallel(batch, world)[rank]), token_mean_pg)
+        out[name] = {"before": before, "after": sync_weights(engine), "deferred_bytes": engine.deferred_bytes}
+        engine.close()
+    torch.save(out, Path(out_dir) / f"uneven_rank{rank}.pt")

@@ -136,3 +136,23 @@ def test_parameters_go_to_meta_only_for_the_thread_that_builds():
     assert mine.weight.is_meta and mine.bias.is_meta
     assert not other["m"].weight.is_meta and other["m"].weight.abs().sum() > 0  # initialised as usual
     assert not torch.nn.Linear(2, 2).weight.is_meta  # and nothing after it
+
+
+@pytest.mark.dist
+def test_three_ranks_read_uneven_rows_and_hold_the_whole_loads_model(tmp_path):
+    """Rows split unevenly over three ranks (FSDP pads the short shards): each rank reads its rows alone, the three
+    read the checkpoint once between them, and the model is the one loaded whole and then sharded, bit for bit,
+    before and after a step."""
+    from . import fsdp_workers as workers
+    from .helpers import run_workers
+
+    run_workers(workers.uneven_load, 3, str(tmp_path))
+    ranks = [torch.load(tmp_path / f"uneven_rank{r}.pt", weights_only=False) for r in range(3)]
+    for r in ranks:
+        for when in ("before", "after"):
+            read, whole = r["read"][when], r["whole"][when]
+            assert read.keys() == whole.keys() and all(torch.equal(read[n], whole[n]) for n in read), when
+        assert r["whole"]["deferred_bytes"] == 0
+    got = [r["read"]["deferred_bytes"] for r in ranks]
+    assert got == [workers.deferred_bytes(rank, 3, vectors=False) for rank in range(3)]
+    assert len(set(got)) > 1 and sum(got) == workers.deferred_bytes(0, 1, vectors=False)

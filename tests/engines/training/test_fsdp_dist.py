@@ -76,16 +76,18 @@ def test_sharded_step_equals_single_process(spawned, case):
         fed = [r["metrics"][0]["train/tokens"] for r in ranks]  # summed over the ranks
         per_row = float(workers.case_batch(case, 0).seq_lengths.sub(1).sum())
         assert fed[0] == fed[1] == ref["metrics"][0]["train/tokens"] < per_row
-    # the model's matrices are read module by module as it is sharded (fsdp/deferred.py): every one of them, once
-    # per rank, on the native model and the HF one (padded); `sharded_load: false` loads the whole model first
-    # per rank (a vocabulary-parallel embedding: this rank's rows of it alone; the HF model: its vectors too)
-    deferred = case != "whole-load"
-    matrices, vectors, embedding = workers.checkpoint_bytes()
-    want = matrices - (embedding / 2 if ranks[0]["vocab_parallel"] else 0) if deferred else 0
-    if case == "padded-micro-batches":
-        want += vectors
-    assert all(r["deferred_bytes"] == want * (2 if case == "reference" else 1) for r in ranks), (
-        [r["deferred_bytes"] for r in ranks], want)
+    # the model's matrices are read as each module is sharded (fsdp/deferred.py): a rank reads its rows of every
+    # one of them, so the ranks of a shard group read the checkpoint once between them (HSDP's shard groups are one
+    # rank each here); the HF model reads its vectors that way too; `sharded_load: false` loads the whole model
+    # first on every rank
+    shard_world = 1 if case == "hsdp-replicate-2" else 2
+    for rank, r in enumerate(ranks):
+        want = workers.deferred_bytes(rank % shard_world, shard_world, vectors=case == "padded-micro-batches")
+        want *= 0 if case == "whole-load" else 2 if case == "reference" else 1
+        assert r["deferred_bytes"] == want, (rank, r["deferred_bytes"], want)
+    if case not in ("whole-load", "hsdp-replicate-2"):
+        whole = workers.deferred_bytes(0, 1, vectors=case == "padded-micro-batches")
+        assert sum(r["deferred_bytes"] for r in ranks) == whole * (2 if case == "reference" else 1)
     # the native model on a 1-D mesh uses the embedding / LM head by vocabulary shard (fsdp/vocab_parallel.py);
     # the HF fallback and HSDP gather them whole
     assert all(r["vocab_parallel"] == (case not in ("padded-micro-batches", "hsdp-replicate-2")) for r in ranks)

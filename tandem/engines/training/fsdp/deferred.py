@@ -4,11 +4,13 @@ Loading the model and then sharding it (`fully_shard`) makes every rank hold the
 on a node of 8 GPUs training a 70B model in fp32, 8 x 280 GB of host memory at start-up, before FSDP keeps an
 eighth of it. With ``trainer.fsdp.parallel.sharded_load`` (the default) a sharded engine loads its native
 model with the checkpoint's matrices (every tensor of two or more dimensions: the decoder layers' projections,
-the embedding, an untied LM head) left on the meta device, and `DeferredWeights.materialize` reads a module's
-matrices from the files (`SafetensorsIndex`, one tensor at a time) right before `fully_shard` takes that
-module: FSDP copies this rank's rows and the whole tensors are freed. A rank's host memory while it builds is
-its shards plus one decoder layer (or the embedding), whatever the model's size. Norms and other vectors are
-read as before. The values are the files' either way, so the model is the same bit for bit (tested).
+the embedding, an untied LM head) left on the meta device. `fully_shard` takes each module on the meta device
+(FSDP's deferred initialisation), and `DeferredWeights.materialize` then reads this rank's rows of each of the
+module's matrices from the files (`SafetensorsIndex.read_rows`: FSDP shards dim 0 in chunks of
+``ceil(rows / world)``, and rows lie contiguous in a safetensors file) and hands them to FSDP as its shards.
+A rank reads and holds its shards and nothing more, whatever the model's size; a node reads its checkpoint
+once (with HSDP, once per replica). Norms and other vectors are read whole, as before. The values are the
+files' either way, so the model is the same bit for bit (tested).
 
 A QLoRA base is read the same way in any world: `qlora.quantize_base` reads each targeted weight right before
 it quantizes it, so the base never exists in full precision (the rest of the model is read as it is sharded, or
@@ -35,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tandem.engines.training.fsdp.vocab_parallel import vocab_rows
 from tandem.models.safetensors_read import SafetensorsIndex
 
 __all__ = ["DeferredWeights", "deferred_names", "hf_on_meta"]
@@ -93,42 +96,68 @@ class DeferredWeights:
 
     def __init__(self, path: str | Path, index: SafetensorsIndex) -> None:
         self.path, self.index = str(path), index
-        self._names: dict[int, str] = {}  # id(meta parameter) -> checkpoint name
-        self._owners: dict[int, list[tuple[nn.Module, str]]] = {}  # every module holding it (ties)
+        self._names: dict[int, str] = {}  # key -> checkpoint name
+        self._owners: dict[int, list[tuple[nn.Module, str]]] = {}  # every (module, attribute) holding it (ties)
+        self._slots: dict[tuple[int, str], int] = {}  # (id(module), attribute) -> key: FSDP replaces the object
+        self._keys: dict[int, int] = {}  # id(meta parameter) -> key, before sharding
+        self._kept: list[nn.Parameter] = []  # the meta parameters, alive so that their ids stay theirs
         self.read_bytes = 0
 
     def track(self, lm: nn.Module) -> None:
         """Record ``lm``'s meta parameters with their owners; call once its modules are final (after LoRA)."""
-        self._names.clear()
-        self._owners.clear()
+        for table in (self._names, self._owners, self._slots, self._keys):
+            table.clear()
+        self._kept.clear()
         for prefix, module in lm.named_modules(remove_duplicate=False):
             for attr, p in module.named_parameters(recurse=False):
                 if p.is_meta:
+                    key = self._keys.setdefault(id(p), len(self._kept))
+                    if key == len(self._kept):
+                        self._kept.append(p)
                     name = f"{prefix}.{attr}" if prefix else attr
-                    self._owners.setdefault(id(p), []).append((module, attr))
-                    self._names.setdefault(id(p), name.replace(_LORA_BASE, "."))
+                    self._owners.setdefault(key, []).append((module, attr))
+                    self._names.setdefault(key, name.replace(_LORA_BASE, "."))
+                    self._slots[(id(module), attr)] = key
 
-    def materialize(self, module: nn.Module) -> None:
-        """Read ``module``'s deferred parameters from the files (every module holding one gets it)."""
+    def materialize(self, module: nn.Module, device: torch.device | str = "cpu") -> None:
+        """Read ``module``'s deferred parameters from the files (every module holding one gets it), onto ``device``.
+
+        A parameter `fully_shard` already took (a DTensor on the meta device) gets this rank's rows alone, read as
+        they lie in the file; FSDP pads and keeps them as its shard (as after ``load_state_dict(assign=True)``).
+        Any other gets the whole tensor."""
+        from torch.distributed.tensor import DTensor
+
         for sub in module.modules():
-            for _, p in list(sub.named_parameters(recurse=False)):
-                key = id(p)
-                if p.is_meta and key in self._names:
-                    name = self._names.pop(key)
+            for attr, p in list(sub._parameters.items()):
+                key = self._slots.get((id(sub), attr))
+                if p is None or not p.is_meta or key is None or key not in self._names:
+                    continue
+                name = self._names.pop(key)
+                if isinstance(p, DTensor):
+                    have = self.index.shape(name)
+                    if have == tuple(p.shape):
+                        t = self.index.read_rows(name, *_shard_rows(p), p.dtype)
+                else:
                     t = self.index.read(name, p.dtype)  # the model's dtype for it (HF may keep some in fp32)
-                    if tuple(t.shape) != tuple(p.shape):
-                        raise ValueError(f"{self.path}: {name} has shape {tuple(t.shape)} in the checkpoint, "
-                                         f"the model expects {tuple(p.shape)}")
-                    self.read_bytes += t.numel() * t.element_size()
-                    new = nn.Parameter(t, requires_grad=p.requires_grad)
-                    for owner, attr in self._owners.pop(key):
-                        setattr(owner, attr, new)
+                    have = tuple(t.shape)
+                if have != tuple(p.shape):
+                    raise ValueError(f"{self.path}: {name} has shape {have} in the checkpoint, the model expects "
+                                     f"{tuple(p.shape)}")
+                self.read_bytes += t.numel() * t.element_size()
+                t = t.to(device)
+                if isinstance(p, DTensor):
+                    t = DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                                           run_check=False)
+                new = nn.Parameter(t, requires_grad=p.requires_grad)
+                for owner, name_in_owner in self._owners.pop(key):
+                    setattr(owner, name_in_owner, new)
 
     def read_rows(self, p: nn.Parameter, start: int, stop: int) -> torch.Tensor:
         """Rows ``[start, stop)`` of deferred parameter ``p``, read alone (a vocabulary shard of the embedding);
         ``p`` is then the caller's to replace."""
-        name = self._names.pop(id(p))
-        self._owners.pop(id(p), None)
+        key = self._keys[id(p)]
+        name = self._names.pop(key)
+        self._owners.pop(key, None)
         t = self.index.read_rows(name, start, stop, p.dtype)
         self.read_bytes += t.numel() * t.element_size()
         return t
@@ -139,3 +168,19 @@ class DeferredWeights:
             left = sorted(self._names.values())
             raise RuntimeError(f"{self.path}: {len(left)} deferred weights were never read ({', '.join(left[:3])}"
                                f"{', ...' if len(left) > 3 else ''})")
+        self._kept.clear()
+
+
+def _shard_rows(p) -> tuple[int, int]:
+    """``[start, stop)``: the rows of DTensor ``p`` this rank holds, split as FSDP and DTensor split dim 0 (`vocab_rows`:
+    chunks of ``ceil(rows / world)``, the last ones short or empty), through each mesh dimension that shards it."""
+    start, stop = 0, p.shape[0]
+    for dim, placement in enumerate(p.placements):
+        if not placement.is_shard():
+            continue
+        if placement.dim != 0:
+            raise ValueError(f"a deferred load reads rows: {placement} of a parameter of shape {tuple(p.shape)} "
+                             "is sharded on another dimension")
+        first, last = vocab_rows(stop - start, p.device_mesh.size(dim), p.device_mesh.get_local_rank(dim))
+        start, stop = start + first, start + last
+    return start, stop

@@ -226,7 +226,7 @@ class FSDPEngine:
         if self.ctx.sharded:
             ignored = self._shard_vocabulary(root, loaded, offload) if isinstance(root, PolicyModel) else None
             apply_fsdp(root, layers, self.ctx, self.config.parallel, offload=offload, ignored=ignored,
-                       before_shard=later.materialize if later is not None else None)
+                       after_shard=later.materialize if later is not None else None)
         else:
             if later is not None:  # one process (a QLoRA base, quantized as read): the rest read now
                 later.materialize(loaded.lm)

@@ -171,13 +171,14 @@ def apply_fsdp(
     *,
     offload: bool = False,
     ignored: set[nn.Parameter] | None = None,
-    before_shard: Callable[[nn.Module], None] | None = None,
+    after_shard: Callable[[nn.Module, torch.device], None] | None = None,
 ) -> None:
     """``fully_shard`` every layer, then the root (embeddings, final norm, LM head: tied stay tied).
 
     ``ignored``: parameters the root leaves alone (already sharded by fsdp/vocab_parallel.py).
-    ``before_shard(module)``: called on each layer, then the root, right before it is sharded (a deferred
-    load reads the module's weights there: fsdp/deferred.py).
+    ``after_shard(module, device)``: called on each layer, then the root, right after it is sharded, with the
+    device its shards live on (a deferred load reads the rank's rows of the module's meta weights there:
+    fsdp/deferred.py).
 
     Gradients are *summed* over ranks, not averaged: Tandem's losses are already divided by the global
     normaliser (`LossScale`), so the sum over ranks is exactly the full-batch gradient.
@@ -189,15 +190,17 @@ def apply_fsdp(
         reduce_dtype=DTYPES[cfg.reduce_dtype] if cfg.reduce_dtype else None,
     )
     kw: dict[str, Any] = dict(mesh=ctx.mesh, mp_policy=mp)
+    shards_on = ctx.device
     if (offload or cfg.cpu_offload) and ctx.device.type != "cpu":  # on a CPU device there is nowhere to go
         kw["offload_policy"] = CPUOffloadPolicy()
+        shards_on = torch.device("cpu")
     for layer in layers:
-        if before_shard is not None:
-            before_shard(layer)
         fully_shard(layer, reshard_after_forward=cfg.reshard_after_forward, **kw)
-    if before_shard is not None:
-        before_shard(root)
+        if after_shard is not None:
+            after_shard(layer, shards_on)
     fully_shard(root, ignored_params=ignored or None, **kw)
+    if after_shard is not None:
+        after_shard(root, shards_on)
     rings = cfg.ring_collectives and dist.get_backend(ctx.mesh.get_group("shard")) == "gloo"
     if rings:
         from tandem.engines.training.fsdp.ring_comms import RingAllGather, RingReduceScatter
