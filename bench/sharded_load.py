@@ -31,6 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = "smollm2-135m-instruct"
 
 
+def _model_folder() -> Path:
+    from tandem.models import resolve_model
+
+    return resolve_model(MODEL)
+
+
 def _status_mib(key: str) -> float:
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 1024
@@ -137,7 +143,11 @@ def main() -> None:
               "sharded_peak_rise_mib": med["sharded"]["peak_rise_mib"], "whole_peak_rise_mib": med["whole"]["peak_rise_mib"],
               "load_peak_rise_ratio": round(med["sharded"]["peak_rise_mib"] / med["whole"]["peak_rise_mib"], 3),
               "sharded_build_s": med["sharded"]["build_s"], "whole_build_s": med["whole"]["build_s"],
-              "logprobs_equal": len(sums["sharded"] | sums["whole"]) == 1, "medians": med}
+              "logprobs_equal": len(sums["sharded"] | sums["whole"]) == 1,
+              # what the world's ranks read of the deferred matrices together (whole: every rank reads the files)
+              "sharded_node_read_mib": round(sum(r["deferred_mib"] for r in runs["sharded"][0]), 1),
+              "checkpoint_mib": round(sum(f.stat().st_size for f in _model_folder().glob("*.safetensors")) / 2**20, 1),
+              "medians": med}
     print("RESULT " + json.dumps(result), flush=True)
 
 
