@@ -26,8 +26,8 @@ Assumptions (docs/plan.md has the derivations and the CPU calibration):
   vocab-parallel and chunked the same way (megatron/logprobs.py): the chunk's buffers x vocab / TP, plus
   its fp32 weight-gradient product, vocab / TP x hidden.
 * Building the model (`load_host_bytes`, host memory per node, its ranks at once; checked against the node's
-  host memory with the offloaded state): FSDP on a native model reads its matrices as it shards them (a rank's
-  shards plus one module), a native QLoRA base is quantized as it is read, the HF fallback loads the whole model
+  host memory with the offloaded state): FSDP on a native model reads a rank's rows of its matrices as it shards
+  them (a rank's shards and nothing more), a native QLoRA base is quantized as it is read, the HF fallback loads the whole model
   in fp32 on every rank first, Megatron reads its stage's slices.
 * Rollout engines (vLLM / SGLang): weights split by TP (experts by EP), a fixed overhead (CUDA graphs,
   activations, communication buffers) and the KV cache in what `mem_fraction` of the GPU leaves.
@@ -199,8 +199,8 @@ def _activations(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> t
 
 def load_host_bytes(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> float:
     """Host memory one trainer rank takes while it builds its model, before its state is offloaded or trained
-    (the recipes' ``model.dtype``: float32). FSDP on a native model at dp > 1 reads its matrices as it shards
-    them (fsdp/deferred.py): its shards plus the largest module (a decoder layer or the embedding); a native
+    (the recipes' ``model.dtype``: float32). FSDP on a native model at dp > 1 reads its rows of each matrix as it
+    shards it (fsdp/deferred.py): its shards (the vectors, read whole, are left out: kilobytes); a native
     QLoRA base is quantized as it is read, in any world; the HF fallback loads the whole model, then shards it;
     Megatron reads its stage's slices tensor by tensor. 0 on a CPU device (its memory is the budget the
     trainer's items already count)."""
@@ -215,8 +215,7 @@ def load_host_bytes(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -
         q = quantized_base_params(arch)
         return q * BASE_BYTES[wl.quantize_base] + 4 * ((p - q) / lay.shard + _largest_quantized(arch))
     if lay.shard > 1:
-        layer = (p - arch.embedding_params()) / arch.layers
-        return 4 * (p / lay.shard + max(layer, arch.vocab * arch.hidden))
+        return 4 * p / lay.shard
     return 4.0 * p
 
 

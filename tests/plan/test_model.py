@@ -315,7 +315,7 @@ def test_the_native_width_bounds_what_the_native_model_keeps(family, dtype):
 
 def test_building_the_model_counts_what_each_rank_loads_before_sharding():
     """The host memory a node's ranks take while they build the model (`load_host_bytes`): the native model's
-    shards plus one module (fsdp/deferred.py), the whole model per rank for the HF fallback; the DeepSeek-V3
+    shards alone (fsdp/deferred.py reads a rank's rows), the whole model per rank for the HF fallback; the DeepSeek-V3
     layout that was shipped until 2026-12-07 cannot start."""
     from dataclasses import replace
 
@@ -327,7 +327,7 @@ def test_building_the_model_counts_what_each_rank_loads_before_sharding():
     wl = Workload(prompt_len=1024, response_len=1024, prompts=8, samples=8)
     p = llama.total_params()
     dp8 = load_host_bytes(llama, h100, wl, TrainerLayout(gpus=8))
-    assert dp8 == 4 * (p / 8 + llama.vocab * llama.hidden)  # the embedding is the largest module
+    assert dp8 == 4 * p / 8  # its rows of every matrix, nothing whole
     assert load_host_bytes(llama, h100, wl, TrainerLayout(gpus=1)) == 4 * p  # one process: loaded whole
     assert load_host_bytes(llama, device("cpu"), wl, TrainerLayout(gpus=8)) == 0  # a CPU's budget counts it
     dsv3 = resolve_arch("deepseek-ai/DeepSeek-V3")

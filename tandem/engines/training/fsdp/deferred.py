@@ -9,7 +9,7 @@ the embedding, an untied LM head) left on the meta device. `fully_shard` takes e
 module's matrices from the files (`SafetensorsIndex.read_rows`: FSDP shards dim 0 in chunks of
 ``ceil(rows / world)``, and rows lie contiguous in a safetensors file) and hands them to FSDP as its shards.
 A rank reads and holds its shards and nothing more, whatever the model's size; a node reads its checkpoint
-once (with HSDP, once per replica). Norms and other vectors are read whole, as before. The values are the
+once (with HSDP, once per replica). The native model's norms and other vectors are read whole, as before. The values are the
 files' either way, so the model is the same bit for bit (tested).
 
 A QLoRA base is read the same way in any world: `qlora.quantize_base` reads each targeted weight right before
