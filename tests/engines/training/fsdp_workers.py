@@ -177,14 +177,20 @@ def first_spawn(rank: int, world: int, out_dir: str, ckpt_dir: str) -> None:
 
 
 def uneven_load(rank: int, world: int, out_dir: str) -> None:
-    """World 3: tiny-llama's 32 / 64 / 128 / 512 rows split unevenly (11/11/10, ...). The model read row by row as
-    it is sharded against the model loaded whole and then sharded: their weights after loading and after one step."""
+    """World 3: tiny-llama's 32 / 64 / 128 / 512 rows split unevenly (11/11/10, ...), and tiny-deepseek-v3 on the HF
+    fallback, whose 8 experts per layer (fused by transformers from per-expert tensors) split 3/3/2. The model read
+    row by row as it is sharded against the model loaded whole and then sharded: their weights after loading and
+    after one step, and what each rank read."""
     out = {}
-    for name, on in (("read", True), ("whole", False)):
-        engine = FSDPEngine(config(micro_batch_tokens=20, parallel=ParallelConfig(sharded_load=on)))
-        before = sync_weights(engine)
-        batch = make_batch(seed=0)
-        engine.train_step(batch.select(split_for_data_parallel(batch, world)[rank]), token_mean_pg)
-        out[name] = {"before": before, "after": sync_weights(engine), "deferred_bytes": engine.deferred_bytes}
-        engine.close()
+    for model, extra in (("tiny-llama", {}), ("tiny-deepseek-v3", {"packing": False})):
+        for name, on in (("read", True), ("whole", False)):
+            engine = FSDPEngine(FSDPConfig(model=ModelConfig(name=model), optimizer=OPT, micro_batch_tokens=20,
+                                           parallel=ParallelConfig(sharded_load=on), **extra))
+            before = sync_weights(engine)
+            batch = make_batch(seed=0)
+            engine.train_step(batch.select(split_for_data_parallel(batch, world)[rank]), token_mean_pg)
+            params = sum(p.numel() * p.element_size() for p in engine.policy.module.parameters())
+            out[model, name] = {"before": before, "after": sync_weights(engine), "params": params,
+                                "deferred_bytes": engine.deferred_bytes}
+            engine.close()
     torch.save(out, Path(out_dir) / f"uneven_rank{rank}.pt")

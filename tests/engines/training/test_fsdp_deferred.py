@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from tandem.engines.training.fsdp.config import LoRAConfig
 from tandem.engines.training.fsdp.deferred import DeferredWeights
@@ -55,8 +56,8 @@ def test_a_weight_never_read_or_of_another_shape_is_named():
         later.check_done()
 
     class Shorter:  # the files hold a tensor of another shape than the model's
-        def read(self, name, dtype=None):
-            return torch.zeros(3, 3)
+        def shape(self, name):
+            return (3, 3)
 
     wrong = DeferredWeights("folder", Shorter())
     wrong.track(_loaded("tiny-llama", deferred=True, lora=False).lm)
@@ -115,11 +116,51 @@ def test_the_hf_model_is_read_module_by_module_where_its_checkpoint_names_its_pa
         assert torch.equal(loaded.lm(ids).logits, eager(ids).logits)
 
 
-def test_an_hf_model_whose_checkpoint_transformers_converts_loads_whole():
-    # transformers fuses DeepSeek-V3's per-expert weights into one tensor per layer while loading: the checkpoint
-    # does not name the model's parameters, so it cannot be read by name
-    loaded = load_lm(ModelConfig(name="tiny-deepseek-v3"), packing=False, deferred=True)
-    assert loaded.deferred is None and not any(p.is_meta for p in loaded.lm.parameters())
+@pytest.mark.parametrize("model", ["tiny-deepseek-v3", "tiny-glm4-moe", "tiny-qwen3-moe"])
+def test_an_hf_moe_whose_experts_transformers_fuses_is_read_from_the_experts_tensors(model):
+    """transformers fuses a MoE's per-expert checkpoint tensors into one per projection while loading
+    (fsdp/converted.py): the deferred load builds the same tensors from the experts' own, whole or by rows of
+    experts, and the model is `from_pretrained`'s bit for bit."""
+    from tandem.engines.training.fsdp.converted import Stacked
+
+    eager = load_lm(ModelConfig(name=model), packing=False).lm
+    loaded = load_lm(ModelConfig(name=model), packing=False, deferred=True)
+    later = loaded.deferred
+    assert later is not None and not loaded.native
+    fused = {n: s for n, s in later.sources.items() if isinstance(s, Stacked)}
+    assert fused and all(n.endswith(("experts.gate_up_proj", "experts.down_proj")) for n in fused)
+    gate_up = next(s for n, s in fused.items() if n.endswith("gate_up_proj"))
+    assert len(gate_up.parts) == 2 and gate_up.parts[0][3].endswith("experts.3.gate_proj.weight")
+    want = eager.state_dict()
+    for name, source in fused.items():  # experts [2, 5) alone: what a rank reads of them
+        assert torch.equal(source.read(later.index, torch.float32, (2, 5)), want[name][2:5])
+    later.track(loaded.lm)
+    for layer in decoder_layers(loaded.lm, False):
+        later.materialize(layer)
+    later.materialize(loaded.lm)
+    later.check_done()
+    got = loaded.lm.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    ids = torch.randint(0, 200, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded.lm(ids).logits, eager(ids).logits)
+
+
+def test_an_expert_missing_from_the_checkpoint_or_of_another_shape_loads_whole():
+    from tandem.engines.training.fsdp.converted import checkpoint_sources
+    from tandem.engines.training.fsdp.deferred import _parameters_on_meta
+    from tandem.models import resolve_model
+    from tandem.models.safetensors_read import SafetensorsIndex
+
+    path = resolve_model("tiny-deepseek-v3")
+    index = SafetensorsIndex(sorted(path.glob("*.safetensors")))
+    for experts, intermediate in ((8, 32), (9, 32), (8, 16)):  # the checkpoint's; one expert too many; narrower
+        config = AutoConfig.from_pretrained(str(path))
+        config.n_routed_experts, config.moe_intermediate_size = experts, intermediate
+        with _parameters_on_meta():
+            lm = AutoModelForCausalLM.from_config(config)
+        got = checkpoint_sources(lm, index)
+        assert (got is not None) == ((experts, intermediate) == (8, 32)), (experts, intermediate)
 
 
 def test_parameters_go_to_meta_only_for_the_thread_that_builds():
@@ -140,19 +181,22 @@ def test_parameters_go_to_meta_only_for_the_thread_that_builds():
 
 @pytest.mark.dist
 def test_three_ranks_read_uneven_rows_and_hold_the_whole_loads_model(tmp_path):
-    """Rows split unevenly over three ranks (FSDP pads the short shards): each rank reads its rows alone, the three
-    read the checkpoint once between them, and the model is the one loaded whole and then sharded, bit for bit,
-    before and after a step."""
+    """Rows split unevenly over three ranks (FSDP pads the short shards), on the native model and on an HF MoE whose
+    experts transformers fuses: each rank reads its rows alone, the three read the model once between them, and
+    the model is the one loaded whole and then sharded, bit for bit, before and after a step."""
     from . import fsdp_workers as workers
     from .helpers import run_workers
 
     run_workers(workers.uneven_load, 3, str(tmp_path))
     ranks = [torch.load(tmp_path / f"uneven_rank{r}.pt", weights_only=False) for r in range(3)]
-    for r in ranks:
-        for when in ("before", "after"):
-            read, whole = r["read"][when], r["whole"][when]
-            assert read.keys() == whole.keys() and all(torch.equal(read[n], whole[n]) for n in read), when
-        assert r["whole"]["deferred_bytes"] == 0
-    got = [r["read"]["deferred_bytes"] for r in ranks]
+    for model in ("tiny-llama", "tiny-deepseek-v3"):
+        for r in ranks:
+            for when in ("before", "after"):
+                read, whole = r[model, "read"][when], r[model, "whole"][when]
+                assert read.keys() == whole.keys() and all(torch.equal(read[n], whole[n]) for n in read), (model, when)
+            assert r[model, "whole"]["deferred_bytes"] == 0
+    got = [r["tiny-llama", "read"]["deferred_bytes"] for r in ranks]  # the native model defers its matrices
     assert got == [workers.deferred_bytes(rank, 3, vectors=False) for rank in range(3)]
     assert len(set(got)) > 1 and sum(got) == workers.deferred_bytes(0, 1, vectors=False)
+    got = [r["tiny-deepseek-v3", "read"]["deferred_bytes"] for r in ranks]  # the HF model: every parameter
+    assert len(set(got)) > 1 and sum(got) == ranks[0]["tiny-deepseek-v3", "read"]["params"]

@@ -18,12 +18,12 @@ at once in one process).
 
 The HF fallback (``packing: false``, or an architecture the native model lacks) is read the same way where its
 checkpoint names the model's parameters with their shapes (`hf_on_meta`: the model built with its parameters on
-the meta device, buffers computed or read as `from_pretrained` gives them). Where transformers converts the
-checkpoint while loading (a MoE's per-expert weights fused into one tensor per layer: DeepSeek-V3, GLM-4.5), it
-loads whole.
+the meta device, buffers computed or read as `from_pretrained` gives them), or where transformers builds them
+from the checkpoint's per-expert tensors (fsdp/converted.py: DeepSeek-V3, GLM-4.5, Qwen3-MoE, Mixtral); a rank
+reads its experts' tensors alone. Any other conversion loads whole.
 
 Not deferred (the whole model is loaded, then sharded, as before): full fine-tuning and LoRA in one process
-(nothing to shard), an HF model whose checkpoint transformers converts, QAT (its layers are built from whole
+(nothing to shard), an HF model whose checkpoint transformers converts otherwise, QAT (its layers are built from whole
 weights).
 """
 
@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from tandem.engines.training.fsdp.converted import Stacked, checkpoint_sources
 from tandem.engines.training.fsdp.vocab_parallel import vocab_rows
 from tandem.models.safetensors_read import SafetensorsIndex
 
@@ -68,22 +69,24 @@ def _parameters_on_meta() -> Iterator[None]:
 def hf_on_meta(path: Path, dtype: torch.dtype, attn_implementation: str | None):
     """``(model, DeferredWeights)``: the HF model of folder ``path`` with its parameters on the meta device and
     its persistent buffers read from the files; or None where the checkpoint's names or shapes are not the
-    model's (transformers converts them while loading, e.g. a MoE's per-expert weights fused into one tensor:
-    such a model loads whole)."""
+    model's, and not one of the conversions fsdp/converted.py reads (a MoE's per-expert weights, fused into one
+    tensor per layer, are): such a model loads whole)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     index = SafetensorsIndex(sorted(Path(path).glob("*.safetensors")))
+    config = AutoConfig.from_pretrained(str(path))
     with _parameters_on_meta():
-        lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(path)), dtype=dtype,
-                                              attn_implementation=attn_implementation)
-    if any(n not in index or index.shape(n) != tuple(p.shape) for n, p in lm.named_parameters()):
+        lm = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attn_implementation)
+    sources = checkpoint_sources(lm, index)
+    if sources is None:
         return None
     for prefix, module in lm.named_modules():
         for name, buf in module._buffers.items():
             full = f"{prefix}.{name}" if prefix else name
             if buf is not None and name not in module._non_persistent_buffers_set and full in index:
                 buf.copy_(index.read(full, buf.dtype))
-    return lm.eval(), DeferredWeights(path, index)  # eval: as `from_pretrained` returns it
+    renamed = {n: src for n, src in sources.items() if src != n}
+    return lm.eval(), DeferredWeights(path, index, renamed)  # eval: as `from_pretrained` returns it
 
 
 def deferred_names(index: SafetensorsIndex) -> list[str]:
@@ -94,9 +97,11 @@ def deferred_names(index: SafetensorsIndex) -> list[str]:
 class DeferredWeights:
     """The meta parameters of one model and where each comes from (its checkpoint name)."""
 
-    def __init__(self, path: str | Path, index: SafetensorsIndex) -> None:
+    def __init__(self, path: str | Path, index: SafetensorsIndex, sources: dict[str, str | Stacked] | None = None
+                 ) -> None:
         self.path, self.index = str(path), index
-        self._names: dict[int, str] = {}  # key -> checkpoint name
+        self.sources = sources or {}  # a parameter built from other checkpoint tensors, or renamed (converted.py)
+        self._names: dict[int, str | Stacked] = {}  # key -> checkpoint name, or how to build it
         self._owners: dict[int, list[tuple[nn.Module, str]]] = {}  # every (module, attribute) holding it (ties)
         self._slots: dict[tuple[int, str], int] = {}  # (id(module), attribute) -> key: FSDP replaces the object
         self._keys: dict[int, int] = {}  # id(meta parameter) -> key, before sharding
@@ -116,7 +121,8 @@ class DeferredWeights:
                         self._kept.append(p)
                     name = f"{prefix}.{attr}" if prefix else attr
                     self._owners.setdefault(key, []).append((module, attr))
-                    self._names.setdefault(key, name.replace(_LORA_BASE, "."))
+                    name = name.replace(_LORA_BASE, ".")
+                    self._names.setdefault(key, self.sources.get(name, name))
                     self._slots[(id(module), attr)] = key
 
     def materialize(self, module: nn.Module, device: torch.device | str = "cpu") -> None:
@@ -133,16 +139,12 @@ class DeferredWeights:
                 if p is None or not p.is_meta or key is None or key not in self._names:
                     continue
                 name = self._names.pop(key)
-                if isinstance(p, DTensor):
-                    have = self.index.shape(name)
-                    if have == tuple(p.shape):
-                        t = self.index.read_rows(name, *_shard_rows(p), p.dtype)
-                else:
-                    t = self.index.read(name, p.dtype)  # the model's dtype for it (HF may keep some in fp32)
-                    have = tuple(t.shape)
+                have = name.shape if isinstance(name, Stacked) else self.index.shape(name)
                 if have != tuple(p.shape):
                     raise ValueError(f"{self.path}: {name} has shape {have} in the checkpoint, the model expects "
                                      f"{tuple(p.shape)}")
+                rows = _shard_rows(p) if isinstance(p, DTensor) else None  # the whole tensor otherwise
+                t = self._read(name, p.dtype, rows)  # the model's dtype for it (HF may keep some in fp32)
                 self.read_bytes += t.numel() * t.element_size()
                 t = t.to(device)
                 if isinstance(p, DTensor):
@@ -158,14 +160,19 @@ class DeferredWeights:
         key = self._keys[id(p)]
         name = self._names.pop(key)
         self._owners.pop(key, None)
-        t = self.index.read_rows(name, start, stop, p.dtype)
+        t = self._read(name, p.dtype, (start, stop))
         self.read_bytes += t.numel() * t.element_size()
         return t
+
+    def _read(self, source: str | Stacked, dtype: torch.dtype, rows: tuple[int, int] | None) -> torch.Tensor:
+        if isinstance(source, Stacked):
+            return source.read(self.index, dtype, rows)
+        return self.index.read(source, dtype) if rows is None else self.index.read_rows(source, *rows, dtype)
 
     def check_done(self) -> None:
         """Raise if a deferred parameter was never read (a module sharded outside the layers and the root)."""
         if self._names:
-            left = sorted(self._names.values())
+            left = sorted(str(n) for n in self._names.values())
             raise RuntimeError(f"{self.path}: {len(left)} deferred weights were never read ({', '.join(left[:3])}"
                                f"{', ...' if len(left) > 3 else ''})")
         self._kept.clear()
