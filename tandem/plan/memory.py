@@ -26,9 +26,9 @@ Assumptions (docs/plan.md has the derivations and the CPU calibration):
   vocab-parallel and chunked the same way (megatron/logprobs.py): the chunk's buffers x vocab / TP, plus
   its fp32 weight-gradient product, vocab / TP x hidden.
 * Building the model (`load_host_bytes`, host memory per node, its ranks at once; checked against the node's
-  host memory with the offloaded state): FSDP on a native model reads a rank's rows of its matrices as it shards
-  them (a rank's shards and nothing more), a native QLoRA base is quantized as it is read, the HF fallback loads the whole model
-  in fp32 on every rank first, Megatron reads its stage's slices.
+  host memory with the offloaded state): FSDP on a native model (or an HF one of `HF_ROWS_READ`) reads a rank's
+  rows of its weights as it shards them (a rank's shards and nothing more), a native QLoRA base is quantized as
+  it is read, other HF models load whole in fp32 on every rank first, Megatron reads its stage's slices.
 * Rollout engines (vLLM / SGLang): weights split by TP (experts by EP), a fixed overhead (CUDA graphs,
   activations, communication buffers) and the KV cache in what `mem_fraction` of the GPU leaves.
 * The embedded engine: a full copy of the weights in the model dtype (on a CPU: oneDNN-packed copies of the
@@ -197,19 +197,26 @@ def _activations(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> t
     return in_flight * layers * per_layer, tokens
 
 
+# HF-fallback families whose checkpoints a sharded FSDP load reads by rows as the native model's are
+# (fsdp/deferred.py; their MoE experts built from the per-expert tensors: fsdp/converted.py), tested on
+# tiny-deepseek-v3 and tiny-glm4-moe. Any other HF model is counted whole per rank: transformers may convert its
+# checkpoint in ways that load whole (regex renamings, quantized experts such as gpt-oss's MXFP4).
+HF_ROWS_READ = frozenset({"deepseek_v3", "glm4_moe"})
+
+
 def load_host_bytes(arch: Arch, dev: Device, wl: Workload, lay: TrainerLayout) -> float:
     """Host memory one trainer rank takes while it builds its model, before its state is offloaded or trained
-    (the recipes' ``model.dtype``: float32). FSDP on a native model at dp > 1 reads its rows of each matrix as it
-    shards it (fsdp/deferred.py): its shards (the vectors, read whole, are left out: kilobytes); a native
-    QLoRA base is quantized as it is read, in any world; the HF fallback loads the whole model, then shards it;
-    Megatron reads its stage's slices tensor by tensor. 0 on a CPU device (its memory is the budget the
-    trainer's items already count)."""
+    (the recipes' ``model.dtype``: float32). FSDP at dp > 1 on a native model, or on an HF model of
+    `HF_ROWS_READ`, reads its rows of each weight as it shards it (fsdp/deferred.py): its shards (the vectors
+    read whole are left out: kilobytes); a native QLoRA base is quantized as it is read, in any world; other HF
+    models load whole, then shard; Megatron reads its stage's slices tensor by tensor. 0 on a CPU device (its
+    memory is the budget the trainer's items already count)."""
     if dev.is_cpu:
         return 0.0
     p = arch.total_params()
     if lay.engine == "megatron":
         return 4 * p / (lay.tp * lay.pp)
-    if not arch.native:
+    if not arch.native and (wl.quantize_base or arch.family not in HF_ROWS_READ):
         return 4.0 * p
     if wl.quantize_base:  # quantized as read (any world): the base's bytes, the rest in fp32, one weight at a time
         q = quantized_base_params(arch)

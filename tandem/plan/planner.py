@@ -450,11 +450,12 @@ def check(arch: Arch, dev: Device, wl: Workload, gpus: int, trainer: TrainerLayo
         problems.append(f"offloaded state needs {offloaded / GIB:.0f} GiB of host memory per node > "
                         f"{dev.host_memory_gib:.0f} GiB")
     if building > dev.host_memory_gib * GIB:
-        whole = trainer.engine == "fsdp" and not arch.native
+        whole = trainer.engine == "fsdp" and not arch.native and building >= 4.0 * arch.total_params()
         problems.append(f"building the model needs {building / GIB:.0f} GiB of host memory per node > "
                         f"{dev.host_memory_gib:.0f} GiB" + (
                             f" (each of its {min(tg, dev.gpus_per_node)} ranks loads the whole HF model in fp32 "
-                            "first; Tandem's sharded load covers the native model, docs/training.md)" if whole else ""))
+                            "first; Tandem's sharded load covers the native model and the HF families of memory.HF_ROWS_READ, "
+                            "docs/training.md)" if whole else ""))
     titems = trainer_memory(arch, dev, wl, trainer)
     iitems = inference_memory(arch, dev, wl, inference)
     if placement == "colocated":

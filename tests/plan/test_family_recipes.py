@@ -12,8 +12,7 @@ import yaml
 ROOT = Path(__file__).parents[2]
 PREFIX = "# regenerate: "
 PLANNED = sorted(p for p in (ROOT / "recipes").rglob("*.yaml") if PREFIX + "tandem plan " in p.read_text())
-# DeepSeek-V3 and GLM-4.5-Air have none since 2026-12-07: no layout Tandem can start (docs/plan.md, "Recipes")
-FAMILIES = {"qwen3", "qwen3-moe", "llama3.1"}
+FAMILIES = {"qwen3", "qwen3-moe", "llama3.1", "deepseek-v3", "glm4.5"}
 
 
 def _command(path: Path) -> list[str]:
@@ -41,6 +40,8 @@ def test_every_family_has_planned_recipes():
         "Qwen/Qwen3-235B-A22B",
         "meta-llama/Llama-3.1-8B-Instruct",
         "meta-llama/Llama-3.1-70B-Instruct",
+        "deepseek-ai/DeepSeek-V3",
+        "zai-org/GLM-4.5-Air",
     } <= models
 
 

@@ -315,12 +315,13 @@ def test_the_native_width_bounds_what_the_native_model_keeps(family, dtype):
 
 def test_building_the_model_counts_what_each_rank_loads_before_sharding():
     """The host memory a node's ranks take while they build the model (`load_host_bytes`): the native model's
-    shards alone (fsdp/deferred.py reads a rank's rows), the whole model per rank for the HF fallback; the DeepSeek-V3
-    layout that was shipped until 2026-12-07 cannot start."""
+    shards alone (fsdp/deferred.py reads a rank's rows), the same for the HF families whose checkpoints the load
+    reads by rows (DeepSeek-V3's layout, withdrawn on 2026-12-07 when they loaded whole, starts again), and the
+    whole model per rank for the other HF models (gpt-oss: its experts are stored quantized)."""
     from dataclasses import replace
 
     from tandem.plan.hardware import GIB
-    from tandem.plan.memory import InferenceLayout, load_host_bytes
+    from tandem.plan.memory import HF_ROWS_READ, InferenceLayout, load_host_bytes
     from tandem.plan.planner import check
 
     llama, h100 = resolve_arch("meta-llama/Llama-3.1-70B-Instruct"), device("H100")
@@ -331,10 +332,17 @@ def test_building_the_model_counts_what_each_rank_loads_before_sharding():
     assert load_host_bytes(llama, h100, wl, TrainerLayout(gpus=1)) == 4 * p  # one process: loaded whole
     assert load_host_bytes(llama, device("cpu"), wl, TrainerLayout(gpus=8)) == 0  # a CPU's budget counts it
     dsv3 = resolve_arch("deepseek-ai/DeepSeek-V3")
-    assert not dsv3.native and load_host_bytes(dsv3, h100, wl, TrainerLayout(gpus=128)) == 4 * dsv3.total_params()
-    got = check(dsv3, device("H200"), replace(wl, response_len=8192, prompts=32), 128,
-                TrainerLayout(gpus=128, offload=True, activation_checkpointing=True, micro_batch_tokens=9216),
+    assert not dsv3.native and dsv3.family in HF_ROWS_READ
+    assert load_host_bytes(dsv3, h100, wl, TrainerLayout(gpus=128)) == 4 * dsv3.total_params() / 128
+    layout = TrainerLayout(gpus=128, offload=True, activation_checkpointing=True, micro_batch_tokens=9216)
+    got = check(dsv3, device("H200"), replace(wl, response_len=8192, prompts=32), 128, layout,
                 InferenceLayout(engine="vllm", tp=16, ep=16, replicas=8), "colocated")
+    assert got.fits, got.reason
+    oss = resolve_arch("openai/gpt-oss-120b")
+    assert oss.family not in HF_ROWS_READ
+    assert load_host_bytes(oss, h100, wl, TrainerLayout(gpus=8)) == 4 * oss.total_params()
+    got = check(oss, h100, wl, 8, TrainerLayout(gpus=8, offload=True, activation_checkpointing=True),
+                InferenceLayout(engine="vllm", tp=8, replicas=1), "colocated")
     assert not got.fits and "building the model needs" in got.reason
     assert "each of its 8 ranks loads the whole HF model in fp32 first" in got.reason
-    assert 8 * 4 * dsv3.total_params() / GIB > device("H200").host_memory_gib
+    assert 8 * 4 * oss.total_params() / GIB > h100.host_memory_gib
