@@ -122,7 +122,7 @@ def invariant_linear(
     mp = max(m, 2) if onednn else padded_rows(m)
     if mp != m:
         x2 = F.pad(x2, (0, 0, 0, mp - m))
-    y = fast_linear(x2, weight, bias, packed=packed)
+    y = fast_linear(x2, weight, bias, packed=packed, few_rows=False)  # oneDNN's bits: the trainer's
     if mp != m:
         y = y[:m]
     return y.reshape(*lead, y.shape[-1])

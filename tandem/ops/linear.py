@@ -28,6 +28,12 @@ keeps its identity, shape and dtype, runs through `fast_linear` from its packed 
 use of its values; `restore_plain` unpacks it again (exactly). `packed_like` allocates a packed tensor of a
 layout this process already has (an asleep engine that freed its weights gets them back at the next sync).
 
+**Few-row products.** A float32 product of at most `SKINNY_MAX_ROWS` rows with a packed weight (a decode step's)
+runs ``csrc/skinny.c`` on the packed bytes instead of oneDNN, where oneDNN's layout for the shape is the one
+``csrc/pack.c`` writes: it reads each 64-output block of the weight once per 6 rows, 1.46x oneDNN's speed at 1
+row and 1.03x at 64 on this machine (docs/inference.md). Its rows are row-count invariant too, but not oneDNN's
+bits: the batch-invariant mode (``few_rows=False``) and bfloat16 keep oneDNN.
+
 oneDNN's float32 result rows are independent of the row count from 2 rows on (1 row takes another
 path with plain weights; packed weights give the same bits at 1 row too), and of the thread count;
 the batch-invariant mode builds on that (tandem/ops/batch_invariant.py).
@@ -134,23 +140,27 @@ def fast_linear(
     bias: torch.Tensor | None = None,
     *,
     packed: PackedWeights | None = None,
+    few_rows: bool = True,
 ) -> torch.Tensor:
     """``F.linear(x [..., K], weight [N, K], bias [N])`` through oneDNN when possible -> ``[..., N]``.
 
     ``packed`` maps ``id(weight)`` to a packed copy (`pack_weights`), used when grad is not needed. For a
     `PackedOnlyWeight` (`drop_plain`) only the packed product exists: an operand it cannot take is an error.
+    ``few_rows``: a float32 product of a few rows with a packed weight may run csrc/skinny.c (`SKINNY_MAX_ROWS`);
+    False keeps oneDNN's bits (the batch-invariant mode: the trainer's products are oneDNN's).
     """
     if isinstance(weight, PackedOnlyWeight):
         if not packed or id(weight) not in packed:
             raise RuntimeError(f"a packed-only weight {tuple(weight.shape)} has no packed copy in this product's "
                                f"packed weights: its values exist nowhere else")
-        return _packed_only(x, packed[id(weight)], bias)
+        return _packed_only(x, packed[id(weight)], bias, few_rows)
     if not uses_onednn(x, weight):
         return F.linear(x, weight, bias)
     if torch.is_autocast_enabled("cpu"):
         dtype = torch.get_autocast_dtype("cpu")  # what autocast would have cast F.linear's operands to
         with torch.autocast("cpu", enabled=False):
-            return fast_linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+            return fast_linear(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype),
+                           few_rows=few_rows)
     if bias is not None and bias.dtype != x.dtype:
         return F.linear(x, weight, bias)
     x = x.contiguous()
@@ -160,10 +170,48 @@ def fast_linear(
     if needs_grad:
         return _OneDNNLinear.apply(x, weight.contiguous(), bias)
     packed_weight = packed.get(id(weight)) if packed else None
-    return _onednn(x, packed_weight if packed_weight is not None else weight.contiguous(), bias)
+    if packed_weight is not None:
+        return _packed_product(x, packed_weight, bias) if few_rows else _onednn(x, packed_weight, bias)
+    return _onednn(x, weight.contiguous(), bias)
 
 
-def _packed_only(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+# Few-row products: at or below this many rows a float32 product with a packed weight runs csrc/skinny.c on the
+# packed bytes instead of oneDNN (0: never). Set at run time to compare the two (bench/skinny_linear.py).
+SKINNY_MAX_ROWS = 64
+_SKINNY: dict[tuple[int, int], bool] = {}
+
+
+def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x`` (contiguous) times a oneDNN-packed weight: oneDNN's product, or for a few float32 rows
+    csrc/skinny.c's, which reads the same packed bytes once per 6 rows (1.1-1.9x oneDNN's speed from 1 to 64
+    rows here: docs/inference.md, "Few-row products")."""
+    k = x.shape[-1]
+    if (x.dtype == torch.float32 and packed_weight.dtype == torch.float32 and x.numel() <= SKINNY_MAX_ROWS * k
+            and (bias is None or bias.dtype == torch.float32)):
+        shape = (packed_weight.shape[0], packed_weight.shape[1])
+        ok = _SKINNY.get(shape)
+        if ok is None:
+            ok = _SKINNY[shape] = _skinny_ok(shape)
+        if ok:
+            from tandem.ops import native
+
+            y = native.skinny_f32(native.load("skinny"), x.view(-1, k), _buffer(packed_weight)[0], shape[0],
+                                  None if bias is None else bias.contiguous())
+            return y.view(*x.shape[:-1], shape[0])
+    return _onednn(x, packed_weight, bias)
+
+
+def _skinny_ok(shape: tuple[int, int]) -> bool:
+    """Whether csrc/skinny.c can read the packed float32 weights of this shape: the kernel builds, and oneDNN's
+    layout for the shape is the ``[N/64][K][64]`` one csrc/pack.c writes (checked once per shape)."""
+    from tandem.ops import native
+
+    skinny, pack = native.load("skinny"), native.load("pack")
+    return skinny is not None and pack is not None and _in_place_ok(pack, shape, torch.float32, 32)
+
+
+def _packed_only(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
+                 few_rows: bool = True) -> torch.Tensor:
     if (x.device.type != "cpu" or x.dtype != packed_weight.dtype or (bias is not None and bias.dtype != x.dtype)
             or x.shape[-1] != packed_weight.shape[-1] or (torch.is_grad_enabled() and x.requires_grad)):
         raise RuntimeError(
@@ -171,7 +219,8 @@ def _packed_only(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tenso
             f"takes CPU {packed_weight.dtype} inputs of width {packed_weight.shape[-1]} without grad; got "
             f"{x.dtype} {tuple(x.shape)} on {x.device}, requires_grad={x.requires_grad}: keep the plain "
             f"weights (inference.torch.keep_plain_weights: true) for this use")
-    return _onednn(x.contiguous(), packed_weight, bias)
+    x = x.contiguous()
+    return _packed_product(x, packed_weight, bias) if few_rows else _onednn(x, packed_weight, bias)
 
 
 _T = torch.Tensor

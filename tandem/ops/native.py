@@ -26,6 +26,10 @@ backward passes for the trainer (inside `lean_ops.backward_kernels`: SwiGLU's ba
 The fifth, ``csrc/dequant.c``, turns block-FP8 codes back into float32 weights in one pass, the same bits as the
 torch reference (tandem/kernels/fp8.py uses it on CPU: a QLoRA base is dequantized in every forward and backward).
 
+The sixth, ``csrc/skinny.c``, multiplies a few float32 rows (a decode step's) by a weight in its oneDNN-packed
+layout, reading each 64-output block of it once per 6 rows: decode-sized products at 1.1-1.9x oneDNN's speed
+(tandem/ops/linear.py, "Few-row products").
+
 Build. `load(name)` compiles ``csrc/<name>.c`` with ``cc -O3 -march=native -ffast-math -fopenmp -c`` and links it
 without fast math (which would set flush-to-zero for the whole process) into the kernel cache
 (``$TANDEM_KERNEL_CACHE``, else ``$XDG_CACHE_HOME/tandem/kernels``, else ``~/.cache/tandem/kernels``),
@@ -219,6 +223,9 @@ def _bind(name: str, lib: ctypes.CDLL) -> None:
     elif name == "pack":
         lib.tandem_pack_b64.restype = ctypes.c_int
         lib.tandem_pack_b64.argtypes = [ptr, ptr, ptr, i64, i64]
+    elif name == "skinny":
+        lib.tandem_skinny_f32.restype = ctypes.c_int
+        lib.tandem_skinny_f32.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr]
 
 
 def supports(group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -317,6 +324,18 @@ def pack_b64(lib: ctypes.CDLL, source: torch.Tensor, dst_ptr: int, dst_nbytes: i
     rc = lib.tandem_pack_b64(source.data_ptr(), None if plain is None else plain.data_ptr(), dst_ptr, n, units)
     if rc != 0:
         raise RuntimeError(f"native pack failed (code {rc})")
+
+
+def skinny_f32(lib: ctypes.CDLL, x: torch.Tensor, packed_ptr: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K] . W[n, K]^T (+ bias)`` -> ``[M, n]`` float32, with W in oneDNN's packed float32 layout at
+    ``packed_ptr`` (``[n / 64][K][64]``, csrc/skinny.c; n a multiple of 64). ``x`` contiguous float32 and
+    ``bias`` float32 ``[n]`` or None: the caller checks (tandem/ops/linear.py, a decode step's hot path)."""
+    m, k = x.shape
+    y = torch.empty(m, n, dtype=torch.float32)
+    if lib.tandem_skinny_f32(x.data_ptr(), m, k, packed_ptr, n, None if bias is None else bias.data_ptr(),
+                             y.data_ptr()):
+        raise ValueError(f"skinny_f32: {n} outputs is not a multiple of 64")
+    return y
 
 
 _POINTWISE_DTYPES = (torch.float32, torch.bfloat16)

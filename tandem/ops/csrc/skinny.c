@@ -1,0 +1,69 @@
+/* A product of few rows against a oneDNN-packed float32 weight: y[M, N] = x[M, K] . W[N, K]^T (+ bias).
+ * (tandem/ops/native.py builds it; tandem/ops/linear.py calls it for decode-sized products.)
+ *
+ * oneDNN packs a float32 linear weight as [N/64][K][64] (csrc/pack.c): for each block of 64 outputs, the 64
+ * weights of input column k lie side by side, so a block is one contiguous stream. A decode step multiplies a
+ * few rows by every weight of the model once and is bound by reading the weights; oneDNN's products read them
+ * at 13-20 GB/s here, where a sum over memory reaches 30-40 (docs/inference.md, "Few-row products"). This loop
+ * reads a block once per tile of up to 6 rows: per input column, the block's four 16-float vectors against
+ * each row's x[m][k] (24 accumulators and 4 weight vectors: 28 of the 32 vector registers). A block is a work
+ * item (OpenMP over blocks); the tiles after the first read it again from L2 (K x 256 bytes). Each output is
+ * one sum over k in order, whatever M, the tile or the thread count: a row's result depends on that row alone.
+ *
+ * Returns 0, or -1 when N is not a multiple of 64.
+ */
+#include <stdint.h>
+
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+#define TILE_ROWS 6
+
+static inline void tile(const float *x, int64_t ldx, int rows, int64_t K, const float *w, const float *bias,
+                        float *y, int64_t ldy) {
+    v16 acc[TILE_ROWS][4];
+    for (int m = 0; m < TILE_ROWS; ++m)
+        for (int j = 0; j < 4; ++j) acc[m][j] = (v16){0};
+#define BODY(R)                                                                                   \
+    for (int64_t k = 0; k < K; ++k) {                                                            \
+        const float *wk = w + k * 64;                                                            \
+        const v16 w0 = *(const v16 *)wk, w1 = *(const v16 *)(wk + 16), w2 = *(const v16 *)(wk + 32), \
+                  w3 = *(const v16 *)(wk + 48);                                                  \
+        for (int m = 0; m < R; ++m) {                                                            \
+            const float s = x[m * ldx + k];                                                      \
+            acc[m][0] += s * w0;                                                                 \
+            acc[m][1] += s * w1;                                                                 \
+            acc[m][2] += s * w2;                                                                 \
+            acc[m][3] += s * w3;                                                                 \
+        }                                                                                        \
+    }
+    switch (rows) { /* a constant row count per loop, so the accumulators stay in registers */
+    case 1: BODY(1) break;
+    case 2: BODY(2) break;
+    case 3: BODY(3) break;
+    case 4: BODY(4) break;
+    case 5: BODY(5) break;
+    default: BODY(6) break;
+    }
+#undef BODY
+    for (int m = 0; m < rows; ++m)
+        for (int j = 0; j < 4; ++j) {
+            v16 a = acc[m][j];
+            if (bias) a += *(const v16 *)(bias + 16 * j);
+            *(v16 *)(y + m * ldy + 16 * j) = a;
+        }
+}
+
+int tandem_skinny_f32(const float *x, int64_t M, int64_t K, const float *packed, int64_t N, const float *bias,
+                      float *y) {
+    if (N % 64) return -1;
+    const int64_t blocks = N / 64;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const float *w = packed + b * K * 64;
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+            const int rows = (int)(M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS);
+            tile(x + m0 * K, K, rows, K, w, bias ? bias + b * 64 : 0, y + m0 * N + b * 64, N);
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,75 @@
+"""csrc/skinny.c: few-row float32 products read straight from oneDNN's packed weights (tandem/ops/linear.py,
+"Few-row products"): the product within float rounding of a float64 reference, each row's bits its own
+(whatever the other rows and the thread count), and used only where it should be (not in the batch-invariant
+mode, not past `SKINNY_MAX_ROWS`, not for a shape oneDNN packs otherwise)."""
+
+import pytest
+import torch
+
+from tandem.ops import linear, native
+from tandem.ops.batch_invariant import invariant_linear
+from tandem.ops.linear import CAN_PACK, _buffer, _onednn, fast_linear, pack_weight
+
+LIB = native.load("skinny") if CAN_PACK else None
+pytestmark = pytest.mark.skipif(LIB is None or not linear._skinny_ok((192, 576)),
+                                reason="no oneDNN packing, no C compiler, or another packed layout on this CPU")
+
+
+def _weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return w, pack_weight(w)
+
+
+@pytest.mark.parametrize("n,k", [(192, 576), (1536, 576), (576, 1536), (64, 8)])
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
+def test_the_product_is_the_reference_within_rounding(n, k, rows):
+    w, packed = _weight(n, k)
+    bias = torch.randn(n) if rows % 2 else None
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    got = native.skinny_f32(LIB, x, _buffer(packed)[0], n, bias)
+    want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    assert got.shape == (rows, n) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max() < 1e-5 * k ** 0.5
+
+
+def test_a_rows_bits_depend_on_that_row_alone():
+    w, packed = _weight(1536, 576)
+    x = torch.randn(23, 576, generator=torch.Generator().manual_seed(1))
+    ptr = _buffer(packed)[0]
+    together = native.skinny_f32(LIB, x, ptr, 1536, None)
+    for r in (0, 5, 6, 17, 22):  # first and last row of a tile, a short last tile
+        assert torch.equal(native.skinny_f32(LIB, x[r : r + 1].contiguous(), ptr, 1536, None)[0], together[r])
+    assert torch.equal(native.skinny_f32(LIB, x[4:11].contiguous(), ptr, 1536, None), together[4:11])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native.skinny_f32(LIB, x, ptr, 1536, None), together)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_fast_linear_takes_it_for_few_rows_and_onednn_otherwise(monkeypatch):
+    w, packed = _weight(576, 576)
+    ptr = _buffer(packed)[0]
+    few, many = torch.randn(2, 3, 576), torch.randn(65, 576)  # 6 rows (leading dims flattened); 65 rows
+    got = fast_linear(few, w, packed={id(w): packed})
+    assert got.shape == (2, 3, 576)
+    assert torch.equal(got.view(6, 576), native.skinny_f32(LIB, few.reshape(6, 576), ptr, 576, None))
+    assert torch.equal(fast_linear(many, w, packed={id(w): packed}), _onednn(many, packed, None))
+    # the batch-invariant mode keeps oneDNN's bits (the trainer's products), as does few_rows=False
+    assert torch.equal(invariant_linear(few, w, packed={id(w): packed}), _onednn(few.reshape(6, 576), packed,
+                                                                                  None).view(2, 3, 576))
+    assert torch.equal(fast_linear(few, w, packed={id(w): packed}, few_rows=False).view(6, 576),
+                       _onednn(few.reshape(6, 576), packed, None))
+    monkeypatch.setattr(linear, "SKINNY_MAX_ROWS", 0)
+    assert torch.equal(fast_linear(few, w, packed={id(w): packed}).view(6, 576),
+                       _onednn(few.reshape(6, 576), packed, None))
+
+
+def test_a_shape_oneDNN_does_not_pack_in_64_row_blocks_stays_with_onednn():
+    w, packed = _weight(100, 576)  # 100 outputs: not a multiple of 64
+    assert not linear._skinny_ok((100, 576))
+    with pytest.raises(ValueError, match="100 outputs is not a multiple of 64"):
+        native.skinny_f32(LIB, torch.randn(2, 576), _buffer(packed)[0], 100, None)
+    x = torch.randn(3, 576)
+    assert torch.equal(fast_linear(x, w, packed={id(w): packed}), _onednn(x, packed, None))
