@@ -4,13 +4,14 @@
    float32, oneDNN-packed as the engine packs them) times ``M`` rows, the whole model once per timing, as a decode
    step does; oneDNN (`SKINNY_MAX_ROWS = 0`) and the kernel alternate over ``--repeats``; medians, the weights'
    read rate (GB/s) and GFLOP/s.
-2. The engine: one `TorchEngine` (the default configuration, float32), ``--new-tokens`` sampled tokens (T = 1,
+2. The engine: one `TorchEngine` (the default configuration; float32, or ``--dtype bfloat16``), ``--new-tokens`` sampled tokens (T = 1,
    seeded: both sides sample the same tokens up to float rounding) for batches of 1, 8 and 64 word-problem
    prompts; the two settings alternate in the same process over ``--repeats`` (after one warm-up round each);
    tokens are counted on both sides; medians and spread of tokens/s.
 
     python bench/skinny_linear.py             # ~5 min on 2 cores
     python bench/skinny_linear.py --repeats 1 --batches 1,8
+    python bench/skinny_linear.py --dtype bfloat16   # with AVX-512 BF16
 
 Ends with ``RESULT {json}``: ``product_speedup`` (per row count), ``decode_speedup_bs1`` / ``_bs8`` / ``_bs64``
 (tokens/s with the kernel over tokens/s without).
@@ -41,15 +42,16 @@ def _median_spread(values: list[float]) -> tuple[float, float]:
     return med, (max(values) - min(values)) / med
 
 
-def products(engine, rows: list[int], repeats: int) -> dict:
+def products(engine, rows: list[int], repeats: int, dtype: torch.dtype) -> dict:
     """Seconds per pass over every packed weight of ``engine`` at each row count, kernel vs oneDNN."""
     packed = engine._packed  # id(weight) -> the packed copy the engine's products read
-    weights = [p for p in packed.values() if p.dtype == torch.float32]
-    nbytes = sum(p.shape[0] * p.shape[1] * 4 for p in weights)
-    flops_per_row = 2 * nbytes / 4
+    weights = [p for p in packed.values() if p.dtype == dtype]
+    size = torch.empty(0, dtype=dtype).element_size()
+    nbytes = sum(p.shape[0] * p.shape[1] * size for p in weights)
+    flops_per_row = 2 * nbytes / size
     out = {}
     for m in rows:
-        xs = {k: torch.randn(m, k) for k in {p.shape[1] for p in weights}}
+        xs = {k: torch.randn(m, k).to(dtype) for k in {p.shape[1] for p in weights}}
         times: dict[str, list[float]] = {"onednn": [], "skinny": []}
         for rep in range(repeats + 1):
             for side, limit in (("onednn", 0), ("skinny", 64)) if rep % 2 else (("skinny", 64), ("onednn", 0)):
@@ -106,6 +108,7 @@ def main() -> None:
     p.add_argument("--batches", default="1,8,64")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     from speculative import make_prompts
@@ -114,14 +117,15 @@ def main() -> None:
     from tandem.models import ModelConfig
 
     batches = [int(b) for b in args.batches.split(",")]
-    engine = TorchEngine(TorchEngineConfig(model=ModelConfig(name=MODEL), max_model_len=512,
+    dtype = getattr(torch, args.dtype)
+    engine = TorchEngine(TorchEngineConfig(model=ModelConfig(name=MODEL, dtype=args.dtype), max_model_len=512,
                                            max_num_seqs=max(batches)))
-    if not linear._skinny_ok((576, 576)):
+    if not linear._skinny_ok((576, 576), dtype):
         raise SystemExit("csrc/skinny.c cannot run here (no compiler, or oneDNN packs SmolLM2's weights otherwise)")
-    prod = products(engine, [int(r) for r in args.rows.split(",")], args.repeats)
+    prod = products(engine, [int(r) for r in args.rows.split(",")], args.repeats, dtype)
     dec = decode(engine, make_prompts(MODEL, max(batches)), batches, args.new_tokens, args.repeats)
     engine.close()
-    result = {"model": MODEL, "dtype": "float32", "threads": args.threads, "repeats": args.repeats,
+    result = {"model": MODEL, "dtype": args.dtype, "threads": args.threads, "repeats": args.repeats,
               "new_tokens": args.new_tokens, "product_speedup": {m: r["speedup"] for m, r in prod.items()},
               **{f"decode_speedup_bs{bs}": r["speedup"] for bs, r in dec.items()},
               "products": prod, "decode": dec}

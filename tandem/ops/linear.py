@@ -28,11 +28,11 @@ keeps its identity, shape and dtype, runs through `fast_linear` from its packed 
 use of its values; `restore_plain` unpacks it again (exactly). `packed_like` allocates a packed tensor of a
 layout this process already has (an asleep engine that freed its weights gets them back at the next sync).
 
-**Few-row products.** A float32 product of at most `SKINNY_MAX_ROWS` rows with a packed weight (a decode step's)
-runs ``csrc/skinny.c`` on the packed bytes instead of oneDNN, where oneDNN's layout for the shape is the one
-``csrc/pack.c`` writes: it reads each 64-output block of the weight once per 6 rows, 1.46x oneDNN's speed at 1
-row and 1.03x at 64 on this machine (docs/inference.md). Its rows are row-count invariant too, but not oneDNN's
-bits: the batch-invariant mode (``few_rows=False``) and bfloat16 keep oneDNN.
+**Few-row products.** A float32 or bfloat16 product of at most `SKINNY_MAX_ROWS` rows with a packed weight (a
+decode step's) runs ``csrc/skinny.c`` on the packed bytes instead of oneDNN, where oneDNN's layout for the shape
+is the one ``csrc/pack.c`` writes: it reads each 64-output block of the weight once per 6 rows, float32 1.46x
+oneDNN's speed at 1 row and 1.03x at 64 on this machine (docs/inference.md). Its rows are row-count invariant
+too, but not oneDNN's bits: the batch-invariant mode (``few_rows=False``) keeps oneDNN.
 
 oneDNN's float32 result rows are independent of the row count from 2 rows on (1 row takes another
 path with plain weights; packed weights give the same bits at 1 row too), and of the thread count;
@@ -175,39 +175,50 @@ def fast_linear(
     return _onednn(x, weight.contiguous(), bias)
 
 
-# Few-row products: at or below this many rows a float32 product with a packed weight runs csrc/skinny.c on the
-# packed bytes instead of oneDNN (0: never). Set at run time to compare the two (bench/skinny_linear.py).
+# Few-row products: at or below this many rows a float32 or bfloat16 product with a packed weight runs
+# csrc/skinny.c on the packed bytes instead of oneDNN (0: never). Set at run time to compare the two
+# (bench/skinny_linear.py).
 SKINNY_MAX_ROWS = 64
-_SKINNY: dict[tuple[int, int], bool] = {}
+_SKINNY: dict[tuple[int, int, torch.dtype], bool] = {}
 
 
 def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x`` (contiguous) times a oneDNN-packed weight: oneDNN's product, or for a few float32 rows
-    csrc/skinny.c's, which reads the same packed bytes once per 6 rows (1.1-1.9x oneDNN's speed from 1 to 64
-    rows here: docs/inference.md, "Few-row products")."""
-    k = x.shape[-1]
-    if (x.dtype == torch.float32 and packed_weight.dtype == torch.float32 and x.numel() <= SKINNY_MAX_ROWS * k
-            and (bias is None or bias.dtype == torch.float32)):
-        shape = (packed_weight.shape[0], packed_weight.shape[1])
-        ok = _SKINNY.get(shape)
+    """``x`` (contiguous) times a oneDNN-packed weight: oneDNN's product, or for a few rows csrc/skinny.c's,
+    which reads the same packed bytes once per 6 rows (docs/inference.md, "Few-row products")."""
+    k, dtype = x.shape[-1], x.dtype
+    if (dtype == packed_weight.dtype and dtype in _SKINNY_DTYPES and x.numel() <= SKINNY_MAX_ROWS * k
+            and (bias is None or bias.dtype == dtype)):
+        key = (packed_weight.shape[0], packed_weight.shape[1], dtype)
+        ok = _SKINNY.get(key)
         if ok is None:
-            ok = _SKINNY[shape] = _skinny_ok(shape)
+            ok = _SKINNY[key] = _skinny_ok(key[:2], dtype)
         if ok:
             from tandem.ops import native
 
-            y = native.skinny_f32(native.load("skinny"), x.view(-1, k), _buffer(packed_weight)[0], shape[0],
-                                  None if bias is None else bias.contiguous())
-            return y.view(*x.shape[:-1], shape[0])
+            y = native.skinny(native.load("skinny"), x.view(-1, k), _buffer(packed_weight)[0], key[0],
+                              None if bias is None else bias.contiguous())
+            return y.view(*x.shape[:-1], key[0])
     return _onednn(x, packed_weight, bias)
 
 
-def _skinny_ok(shape: tuple[int, int]) -> bool:
-    """Whether csrc/skinny.c can read the packed float32 weights of this shape: the kernel builds, and oneDNN's
-    layout for the shape is the ``[N/64][K][64]`` one csrc/pack.c writes (checked once per shape)."""
+_SKINNY_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _skinny_ok(shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> bool:
+    """Whether csrc/skinny.c can read the packed weights of this shape and dtype: the kernel builds (bfloat16:
+    with AVX-512 BF16), and oneDNN's layout for the shape is the one csrc/pack.c writes (checked once)."""
     from tandem.ops import native
 
     skinny, pack = native.load("skinny"), native.load("pack")
-    return skinny is not None and pack is not None and _in_place_ok(pack, shape, torch.float32, 32)
+    if skinny is None or pack is None or not _in_place_ok(pack, shape, dtype, 32):
+        return False
+    try:  # a 64 x 2 probe: says whether this build has the dtype's kernel
+        probe = _pack(torch.zeros(64, 2, dtype=dtype), 32)
+        native.skinny(skinny, torch.zeros(1, 2, dtype=dtype), _buffer(probe)[0], 64, None)
+    except ValueError as e:
+        log.info("few-row products: oneDNN's for %s (%s)", dtype, e)
+        return False
+    return True
 
 
 def _packed_only(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,

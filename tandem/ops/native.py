@@ -26,9 +26,9 @@ backward passes for the trainer (inside `lean_ops.backward_kernels`: SwiGLU's ba
 The fifth, ``csrc/dequant.c``, turns block-FP8 codes back into float32 weights in one pass, the same bits as the
 torch reference (tandem/kernels/fp8.py uses it on CPU: a QLoRA base is dequantized in every forward and backward).
 
-The sixth, ``csrc/skinny.c``, multiplies a few float32 rows (a decode step's) by a weight in its oneDNN-packed
-layout, reading each 64-output block of it once per 6 rows: decode-sized products at 1.1-1.9x oneDNN's speed
-(tandem/ops/linear.py, "Few-row products").
+The sixth, ``csrc/skinny.c``, multiplies a few float32 (or, with AVX-512 BF16, bfloat16) rows, a decode step's,
+by a weight in its oneDNN-packed layout, reading each 64-output block of it once per 6 rows: decode-sized
+products at 1.1-2x oneDNN's speed (tandem/ops/linear.py, "Few-row products").
 
 Build. `load(name)` compiles ``csrc/<name>.c`` with ``cc -O3 -march=native -ffast-math -fopenmp -c`` and links it
 without fast math (which would set flush-to-zero for the whole process) into the kernel cache
@@ -224,8 +224,9 @@ def _bind(name: str, lib: ctypes.CDLL) -> None:
         lib.tandem_pack_b64.restype = ctypes.c_int
         lib.tandem_pack_b64.argtypes = [ptr, ptr, ptr, i64, i64]
     elif name == "skinny":
-        lib.tandem_skinny_f32.restype = ctypes.c_int
-        lib.tandem_skinny_f32.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr]
+        for fn in (lib.tandem_skinny_f32, lib.tandem_skinny_bf16):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr]
 
 
 def supports(group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
@@ -326,15 +327,18 @@ def pack_b64(lib: ctypes.CDLL, source: torch.Tensor, dst_ptr: int, dst_nbytes: i
         raise RuntimeError(f"native pack failed (code {rc})")
 
 
-def skinny_f32(lib: ctypes.CDLL, x: torch.Tensor, packed_ptr: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x [M, K] . W[n, K]^T (+ bias)`` -> ``[M, n]`` float32, with W in oneDNN's packed float32 layout at
-    ``packed_ptr`` (``[n / 64][K][64]``, csrc/skinny.c; n a multiple of 64). ``x`` contiguous float32 and
-    ``bias`` float32 ``[n]`` or None: the caller checks (tandem/ops/linear.py, a decode step's hot path)."""
+def skinny(lib: ctypes.CDLL, x: torch.Tensor, packed_ptr: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x [M, K] . W[n, K]^T (+ bias)`` -> ``[M, n]`` in ``x``'s dtype (float32, or bfloat16 with AVX-512 BF16),
+    with W in oneDNN's packed layout of that dtype at ``packed_ptr`` (csrc/skinny.c; n a multiple of 64).
+    ``x`` contiguous and ``bias [n]`` of its dtype or None: the caller checks (tandem/ops/linear.py, a decode
+    step's hot path). ValueError where the kernel cannot take them (the message says why)."""
     m, k = x.shape
-    y = torch.empty(m, n, dtype=torch.float32)
-    if lib.tandem_skinny_f32(x.data_ptr(), m, k, packed_ptr, n, None if bias is None else bias.data_ptr(),
-                             y.data_ptr()):
-        raise ValueError(f"skinny_f32: {n} outputs is not a multiple of 64")
+    y = torch.empty(m, n, dtype=x.dtype)
+    fn = lib.tandem_skinny_f32 if x.dtype == torch.float32 else lib.tandem_skinny_bf16
+    rc = fn(x.data_ptr(), m, k, packed_ptr, n, None if bias is None else bias.data_ptr(), y.data_ptr())
+    if rc:
+        raise ValueError(f"skinny: {(n, k)} {x.dtype}: " + ("built without AVX-512 BF16" if rc == -2 else
+                                                          "N must be a multiple of 64 (and K even for bfloat16)"))
     return y
 
 

@@ -26,7 +26,7 @@ def test_the_product_is_the_reference_within_rounding(n, k, rows):
     w, packed = _weight(n, k)
     bias = torch.randn(n) if rows % 2 else None
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    got = native.skinny_f32(LIB, x, _buffer(packed)[0], n, bias)
+    got = native.skinny(LIB, x, _buffer(packed)[0], n, bias)
     want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert (got.double() - want).abs().max() < 1e-5 * k ** 0.5
@@ -36,14 +36,14 @@ def test_a_rows_bits_depend_on_that_row_alone():
     w, packed = _weight(1536, 576)
     x = torch.randn(23, 576, generator=torch.Generator().manual_seed(1))
     ptr = _buffer(packed)[0]
-    together = native.skinny_f32(LIB, x, ptr, 1536, None)
+    together = native.skinny(LIB, x, ptr, 1536, None)
     for r in (0, 5, 6, 17, 22):  # first and last row of a tile, a short last tile
-        assert torch.equal(native.skinny_f32(LIB, x[r : r + 1].contiguous(), ptr, 1536, None)[0], together[r])
-    assert torch.equal(native.skinny_f32(LIB, x[4:11].contiguous(), ptr, 1536, None), together[4:11])
+        assert torch.equal(native.skinny(LIB, x[r : r + 1].contiguous(), ptr, 1536, None)[0], together[r])
+    assert torch.equal(native.skinny(LIB, x[4:11].contiguous(), ptr, 1536, None), together[4:11])
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        assert torch.equal(native.skinny_f32(LIB, x, ptr, 1536, None), together)
+        assert torch.equal(native.skinny(LIB, x, ptr, 1536, None), together)
     finally:
         torch.set_num_threads(threads)
 
@@ -54,7 +54,7 @@ def test_fast_linear_takes_it_for_few_rows_and_onednn_otherwise(monkeypatch):
     few, many = torch.randn(2, 3, 576), torch.randn(65, 576)  # 6 rows (leading dims flattened); 65 rows
     got = fast_linear(few, w, packed={id(w): packed})
     assert got.shape == (2, 3, 576)
-    assert torch.equal(got.view(6, 576), native.skinny_f32(LIB, few.reshape(6, 576), ptr, 576, None))
+    assert torch.equal(got.view(6, 576), native.skinny(LIB, few.reshape(6, 576), ptr, 576, None))
     assert torch.equal(fast_linear(many, w, packed={id(w): packed}), _onednn(many, packed, None))
     # the batch-invariant mode keeps oneDNN's bits (the trainer's products), as does few_rows=False
     assert torch.equal(invariant_linear(few, w, packed={id(w): packed}), _onednn(few.reshape(6, 576), packed,
@@ -69,7 +69,23 @@ def test_fast_linear_takes_it_for_few_rows_and_onednn_otherwise(monkeypatch):
 def test_a_shape_oneDNN_does_not_pack_in_64_row_blocks_stays_with_onednn():
     w, packed = _weight(100, 576)  # 100 outputs: not a multiple of 64
     assert not linear._skinny_ok((100, 576))
-    with pytest.raises(ValueError, match="100 outputs is not a multiple of 64"):
-        native.skinny_f32(LIB, torch.randn(2, 576), _buffer(packed)[0], 100, None)
+    with pytest.raises(ValueError, match="N must be a multiple of 64"):
+        native.skinny(LIB, torch.randn(2, 576), _buffer(packed)[0], 100, None)
     x = torch.randn(3, 576)
     assert torch.equal(fast_linear(x, w, packed={id(w): packed}), _onednn(x, packed, None))
+
+
+@pytest.mark.skipif(not (CAN_PACK and LIB is not None and linear._skinny_ok((192, 576), torch.bfloat16)),
+                    reason="no AVX-512 BF16 kernel here, or oneDNN packs bfloat16 weights otherwise")
+@pytest.mark.parametrize("rows", [1, 6, 13])
+def test_bfloat16_rows_are_the_reference_rounded_and_their_own(rows):
+    """bfloat16 (AVX-512 BF16: products of column pairs summed in float32, rounded once at the end)."""
+    w = (torch.randn(1536, 576, generator=torch.Generator().manual_seed(3)) * 0.05).bfloat16()
+    packed, bias = pack_weight(w), torch.randn(1536).bfloat16()
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
+    got = native.skinny(LIB, x, _buffer(packed)[0], 1536, bias)
+    want = x.double() @ w.double().t() + bias.double()
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, 1536)
+    assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()  # one bf16 rounding (+ fp32 sums)
+    assert torch.equal(native.skinny(LIB, x[-1:].contiguous(), _buffer(packed)[0], 1536, bias)[0], got[-1])
+    assert torch.equal(fast_linear(x, w, bias, packed={id(w): packed}), got)  # the engine's path takes it

@@ -10,9 +10,17 @@
  * item (OpenMP over blocks); the tiles after the first read it again from L2 (K x 256 bytes). Each output is
  * one sum over k in order, whatever M, the tile or the thread count: a row's result depends on that row alone.
  *
- * Returns 0, or -1 when N is not a multiple of 64.
+ * bfloat16 (`tandem_skinny_bf16`, with AVX-512 BF16): oneDNN packs it as [N/64][K/2][64][2], pairs of input
+ * columns side by side, which is what `vdpbf16ps` takes: per pair of columns, the block's four 32-value vectors
+ * against each row's (x[m][k], x[m][k+1]) pair, broadcast, summed in float32; the output rounded to bfloat16
+ * (nearest even) after the bias.
+ *
+ * Returns 0, -1 when N is not a multiple of 64 (or K odd, for bfloat16), -2 when built without AVX-512 BF16.
  */
 #include <stdint.h>
+#ifdef __AVX512BF16__
+#include <immintrin.h>
+#endif
 
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
 
@@ -66,4 +74,64 @@ int tandem_skinny_f32(const float *x, int64_t M, int64_t K, const float *packed,
         }
     }
     return 0;
+}
+
+#ifdef __AVX512BF16__
+static inline void tile_bf16(const uint32_t *x, int64_t ldx, int rows, int64_t K2, const uint16_t *w,
+                             const uint16_t *bias, uint16_t *y, int64_t ldy) {
+    __m512 acc[TILE_ROWS][4];
+    for (int m = 0; m < TILE_ROWS; ++m)
+        for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+#define BODY(R)                                                                                      \
+    for (int64_t k = 0; k < K2; ++k) {                                                              \
+        const uint16_t *wk = w + k * 128;                                                           \
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wk), w1 = (__m512bh)_mm512_loadu_si512(wk + 32), \
+                       w2 = (__m512bh)_mm512_loadu_si512(wk + 64),                                  \
+                       w3 = (__m512bh)_mm512_loadu_si512(wk + 96);                                  \
+        for (int m = 0; m < R; ++m) {                                                               \
+            const __m512bh s = (__m512bh)_mm512_set1_epi32((int)x[m * ldx + k]);                    \
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, s);                                         \
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, s);                                         \
+            acc[m][2] = _mm512_dpbf16_ps(acc[m][2], w2, s);                                         \
+            acc[m][3] = _mm512_dpbf16_ps(acc[m][3], w3, s);                                         \
+        }                                                                                           \
+    }
+    switch (rows) {
+    case 1: BODY(1) break;
+    case 2: BODY(2) break;
+    case 3: BODY(3) break;
+    case 4: BODY(4) break;
+    case 5: BODY(5) break;
+    default: BODY(6) break;
+    }
+#undef BODY
+    for (int m = 0; m < rows; ++m)
+        for (int j = 0; j < 4; ++j) {
+            __m512 a = acc[m][j];
+            if (bias) /* bfloat16 -> float32: the 16 bits moved to the top */
+                a = _mm512_add_ps(a, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                         _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(bias + 16 * j))), 16)));
+            _mm256_storeu_si256((__m256i *)(y + m * ldy + 16 * j), (__m256i)_mm512_cvtneps_pbh(a));
+        }
+}
+#endif
+
+int tandem_skinny_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *packed, int64_t N,
+                       const uint16_t *bias, uint16_t *y) {
+#ifdef __AVX512BF16__
+    if (N % 64 || K % 2) return -1;
+    const int64_t blocks = N / 64, K2 = K / 2;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const uint16_t *w = packed + b * K * 64;
+        for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
+            const int rows = (int)(M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS);
+            tile_bf16((const uint32_t *)(x + m0 * K), K2, rows, K2, w, bias ? bias + b * 64 : 0, y + m0 * N + b * 64, N);
+        }
+    }
+    return 0;
+#else
+    (void)x; (void)M; (void)K; (void)packed; (void)N; (void)bias; (void)y;
+    return -2;
+#endif
 }
