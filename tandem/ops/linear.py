@@ -57,9 +57,10 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -146,8 +147,8 @@ def fast_linear(
 
     ``packed`` maps ``id(weight)`` to a packed copy (`pack_weights`), used when grad is not needed. For a
     `PackedOnlyWeight` (`drop_plain`) only the packed product exists: an operand it cannot take is an error.
-    ``few_rows``: a float32 product of a few rows with a packed weight may run csrc/skinny.c (`SKINNY_MAX_ROWS`);
-    False keeps oneDNN's bits (the batch-invariant mode: the trainer's products are oneDNN's).
+    ``few_rows``: a float32 or bfloat16 product of a few rows with a packed weight may run csrc/skinny.c
+    (`SKINNY_MAX_ROWS`); False keeps oneDNN's bits (the batch-invariant mode: the trainer's products are oneDNN's).
     """
     if isinstance(weight, PackedOnlyWeight):
         if not packed or id(weight) not in packed:
@@ -179,7 +180,7 @@ def fast_linear(
 # csrc/skinny.c on the packed bytes instead of oneDNN (0: never). Set at run time to compare the two
 # (bench/skinny_linear.py).
 SKINNY_MAX_ROWS = 64
-_SKINNY: dict[tuple[int, int, torch.dtype], bool] = {}
+_SKINNY: dict[tuple[int, int, torch.dtype], Callable | None] = {}  # (N, K, dtype) -> the kernel's product, or None
 
 
 def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -189,14 +190,11 @@ def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Te
     if (dtype == packed_weight.dtype and dtype in _SKINNY_DTYPES and x.numel() <= SKINNY_MAX_ROWS * k
             and (bias is None or bias.dtype == dtype)):
         key = (packed_weight.shape[0], packed_weight.shape[1], dtype)
-        ok = _SKINNY.get(key)
-        if ok is None:
-            ok = _SKINNY[key] = _skinny_ok(key[:2], dtype)
-        if ok:
-            from tandem.ops import native
-
-            y = native.skinny(native.load("skinny"), x.view(-1, k), _buffer(packed_weight)[0], key[0],
-                              None if bias is None else bias.contiguous())
+        if key not in _SKINNY:
+            _SKINNY[key] = _skinny_product(key[:2], dtype)
+        product = _SKINNY[key]
+        if product is not None:
+            y = product(x.view(-1, k), _buffer(packed_weight)[0], key[0], None if bias is None else bias.contiguous())
             return y.view(*x.shape[:-1], key[0])
     return _onednn(x, packed_weight, bias)
 
@@ -204,21 +202,31 @@ def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Te
 _SKINNY_DTYPES = (torch.float32, torch.bfloat16)
 
 
-def _skinny_ok(shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> bool:
-    """Whether csrc/skinny.c can read the packed weights of this shape and dtype: the kernel builds (bfloat16:
-    with AVX-512 BF16), and oneDNN's layout for the shape is the one csrc/pack.c writes (checked once)."""
+def _skinny_product(shape: tuple[int, int], dtype: torch.dtype) -> Callable | None:
+    """`native.skinny` bound to its library where csrc/skinny.c can read the packed weights of this shape and
+    dtype: the kernel builds (bfloat16: with AVX-512 BF16), and oneDNN's layout for the shape is the one
+    csrc/pack.c writes (checked once per shape, as for in-place packing); else None (oneDNN's product)."""
     from tandem.ops import native
 
     skinny, pack = native.load("skinny"), native.load("pack")
     if skinny is None or pack is None or not _in_place_ok(pack, shape, dtype, 32):
-        return False
+        return None
     try:  # a 64 x 2 probe: says whether this build has the dtype's kernel
         probe = _pack(torch.zeros(64, 2, dtype=dtype), 32)
         native.skinny(skinny, torch.zeros(1, 2, dtype=dtype), _buffer(probe)[0], 64, None)
     except ValueError as e:
         log.info("few-row products: oneDNN's for %s (%s)", dtype, e)
-        return False
-    return True
+        return None
+    return functools.partial(native.skinny, skinny)
+
+
+def _skinny_ok(shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> bool:
+    """Whether `_packed_product` runs csrc/skinny.c for weights of this shape and dtype (at most
+    `SKINNY_MAX_ROWS` rows)."""
+    key = (*shape, dtype)
+    if key not in _SKINNY:
+        _SKINNY[key] = _skinny_product(shape, dtype)
+    return _SKINNY[key] is not None
 
 
 def _packed_only(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
