@@ -20,3 +20,11 @@ def case():
 
 class TestTorchEngineContract(InferenceEngineContract):
     pass
+
+
+def test_the_embedded_engine_declares_what_the_contract_checks_conditionally(case):
+    """The contract runs its scoring and weights-view checks only where an engine declares them: the embedded engine
+    must declare both, or those checks would pass here by being skipped. (It serves LoRA adapters only when built
+    with ``lora_alpha``, as this case is not: tests/engines/test_torch_engine_lora.py covers that.)"""
+    info = case.engine.info
+    assert info.name == "torch" and info.can_score and info.exposes_weights and not info.lora_adapters
