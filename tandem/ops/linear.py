@@ -188,14 +188,12 @@ def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Te
     which reads the same packed bytes once per 6 rows (docs/inference.md, "Few-row products")."""
     k, dtype = x.shape[-1], x.dtype
     if (dtype == packed_weight.dtype and dtype in _SKINNY_DTYPES and x.numel() <= SKINNY_MAX_ROWS * k
-            and (bias is None or bias.dtype == dtype)):
-        key = (packed_weight.shape[0], packed_weight.shape[1], dtype)
-        if key not in _SKINNY:
-            _SKINNY[key] = _skinny_product(key[:2], dtype)
-        product = _SKINNY[key]
+            and packed_weight.shape[1] == k and (bias is None or bias.dtype == dtype)):  # else oneDNN's error
+        n = packed_weight.shape[0]
+        product = _skinny_for((n, k), dtype)
         if product is not None:
-            y = product(x.view(-1, k), _buffer(packed_weight)[0], key[0], None if bias is None else bias.contiguous())
-            return y.view(*x.shape[:-1], key[0])
+            y = product(x.view(-1, k), _buffer(packed_weight)[0], n, None if bias is None else bias.contiguous())
+            return y.view(*x.shape[:-1], n)
     return _onednn(x, packed_weight, bias)
 
 
@@ -220,13 +218,18 @@ def _skinny_product(shape: tuple[int, int], dtype: torch.dtype) -> Callable | No
     return functools.partial(native.skinny, skinny)
 
 
-def _skinny_ok(shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> bool:
-    """Whether `_packed_product` runs csrc/skinny.c for weights of this shape and dtype (at most
-    `SKINNY_MAX_ROWS` rows)."""
+def _skinny_for(shape: tuple[int, int], dtype: torch.dtype) -> Callable | None:
+    """The kernel's product for packed weights of this shape and dtype, or None (oneDNN's): decided once."""
     key = (*shape, dtype)
     if key not in _SKINNY:
         _SKINNY[key] = _skinny_product(shape, dtype)
-    return _SKINNY[key] is not None
+    return _SKINNY[key]
+
+
+def _skinny_ok(shape: tuple[int, int], dtype: torch.dtype = torch.float32) -> bool:
+    """Whether `_packed_product` runs csrc/skinny.c for weights of this shape and dtype (at most
+    `SKINNY_MAX_ROWS` rows)."""
+    return _skinny_for(shape, dtype) is not None
 
 
 def _packed_only(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None,
