@@ -32,18 +32,20 @@ def test_the_product_is_the_reference_within_rounding(n, k, rows):
     assert (got.double() - want).abs().max() < 1e-5 * k ** 0.5
 
 
-def test_a_rows_bits_depend_on_that_row_alone():
-    w, packed = _weight(1536, 576)
+@pytest.mark.parametrize("n", [1536, 192])  # 192: 3 blocks, so 2 threads split a block's tiles between them
+def test_a_rows_bits_depend_on_that_row_alone(n):
+    w, packed = _weight(n, 576)
     x = torch.randn(23, 576, generator=torch.Generator().manual_seed(1))
     ptr = _buffer(packed)[0]
-    together = native.skinny(LIB, x, ptr, 1536, None)
+    together = native.skinny(LIB, x, ptr, n, None)
     for r in (0, 5, 6, 17, 22):  # first and last row of a tile, a short last tile
-        assert torch.equal(native.skinny(LIB, x[r : r + 1].contiguous(), ptr, 1536, None)[0], together[r])
-    assert torch.equal(native.skinny(LIB, x[4:11].contiguous(), ptr, 1536, None), together[4:11])
+        assert torch.equal(native.skinny(LIB, x[r : r + 1].contiguous(), ptr, n, None)[0], together[r])
+    assert torch.equal(native.skinny(LIB, x[4:11].contiguous(), ptr, n, None), together[4:11])
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        assert torch.equal(native.skinny(LIB, x, ptr, 1536, None), together)
+        for t in (1, 3):
+            torch.set_num_threads(t)
+            assert torch.equal(native.skinny(LIB, x, ptr, n, None), together)
     finally:
         torch.set_num_threads(threads)
 

@@ -6,8 +6,11 @@
  * few rows by every weight of the model once and is bound by reading the weights; oneDNN's products read them
  * at 13-20 GB/s here, where a sum over memory reaches 30-40 (docs/inference.md, "Few-row products"). This loop
  * reads a block once per tile of up to 6 rows: per input column, the block's four 16-float vectors against
- * each row's x[m][k] (24 accumulators and 4 weight vectors: 28 of the 32 vector registers). A block is a work
- * item (OpenMP over blocks); the tiles after the first read it again from L2 (K x 256 bytes). Each output is
+ * each row's x[m][k] (24 accumulators and 4 weight vectors: 28 of the 32 vector registers). A (block, tile)
+ * pair is a work item, numbered block by block, and OpenMP hands each thread one contiguous range of them: a
+ * thread's tiles of a block follow one another, those after the first reading it again from L2 (K x 256
+ * bytes), and threads stay even where the blocks do not divide among them (3 blocks of a 192-output weight on
+ * 2 threads: at 64 rows 1.15x faster than the block-per-item split, 1.05-1.07x for 576 outputs). Each output is
  * one sum over k in order, whatever M, the tile or the thread count: a row's result depends on that row alone.
  *
  * bfloat16 (`tandem_skinny_bf16`, with AVX-512 BF16): oneDNN packs it as [N/64][K/2][64][2], pairs of input
@@ -64,14 +67,12 @@ static inline void tile(const float *x, int64_t ldx, int rows, int64_t K, const 
 int tandem_skinny_f32(const float *x, int64_t M, int64_t K, const float *packed, int64_t N, const float *bias,
                       float *y) {
     if (N % 64) return -1;
-    const int64_t blocks = N / 64;
+    const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-        const float *w = packed + b * K * 64;
-        for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
-            const int rows = (int)(M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS);
-            tile(x + m0 * K, K, rows, K, w, bias ? bias + b * 64 : 0, y + m0 * N + b * 64, N);
-        }
+    for (int64_t item = 0; item < N / 64 * tiles; ++item) {
+        const int64_t b = item / tiles, m0 = item % tiles * TILE_ROWS;
+        const int rows = (int)(M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS);
+        tile(x + m0 * K, K, rows, K, packed + b * K * 64, bias ? bias + b * 64 : 0, y + m0 * N + b * 64, N);
     }
     return 0;
 }
@@ -120,14 +121,13 @@ int tandem_skinny_bf16(const uint16_t *x, int64_t M, int64_t K, const uint16_t *
                        const uint16_t *bias, uint16_t *y) {
 #ifdef __AVX512BF16__
     if (N % 64 || K % 2) return -1;
-    const int64_t blocks = N / 64, K2 = K / 2;
+    const int64_t K2 = K / 2, tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
 #pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-        const uint16_t *w = packed + b * K * 64;
-        for (int64_t m0 = 0; m0 < M; m0 += TILE_ROWS) {
-            const int rows = (int)(M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS);
-            tile_bf16((const uint32_t *)(x + m0 * K), K2, rows, K2, w, bias ? bias + b * 64 : 0, y + m0 * N + b * 64, N);
-        }
+    for (int64_t item = 0; item < N / 64 * tiles; ++item) {
+        const int64_t b = item / tiles, m0 = item % tiles * TILE_ROWS;
+        const int rows = (int)(M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS);
+        tile_bf16((const uint32_t *)(x + m0 * K), K2, rows, K2, packed + b * K * 64, bias ? bias + b * 64 : 0,
+                  y + m0 * N + b * 64, N);
     }
     return 0;
 #else
