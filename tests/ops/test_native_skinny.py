@@ -20,7 +20,7 @@ def _weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return w, pack_weight(w)
 
 
-@pytest.mark.parametrize("n,k", [(192, 576), (1536, 576), (576, 1536), (64, 8)])
+@pytest.mark.parametrize("n,k", [(192, 576), (1536, 576), (576, 1536), (64, 8), (2048, 64)])  # 2048: unsplit sums
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
 def test_the_product_is_the_reference_within_rounding(n, k, rows):
     w, packed = _weight(n, k)
@@ -80,14 +80,15 @@ def test_a_shape_oneDNN_does_not_pack_in_64_row_blocks_stays_with_onednn():
 @pytest.mark.skipif(not (CAN_PACK and LIB is not None and linear._skinny_ok((192, 576), torch.bfloat16)),
                     reason="no AVX-512 BF16 kernel here, or oneDNN packs bfloat16 weights otherwise")
 @pytest.mark.parametrize("rows", [1, 6, 13])
-def test_bfloat16_rows_are_the_reference_rounded_and_their_own(rows):
+@pytest.mark.parametrize("n", [1536, 2048])  # 24 blocks: sums in two halves; 32: in one
+def test_bfloat16_rows_are_the_reference_rounded_and_their_own(rows, n):
     """bfloat16 (AVX-512 BF16: products of column pairs summed in float32, rounded once at the end)."""
-    w = (torch.randn(1536, 576, generator=torch.Generator().manual_seed(3)) * 0.05).bfloat16()
-    packed, bias = pack_weight(w), torch.randn(1536).bfloat16()
+    w = (torch.randn(n, 576, generator=torch.Generator().manual_seed(3)) * 0.05).bfloat16()
+    packed, bias = pack_weight(w), torch.randn(n).bfloat16()
     x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows)).bfloat16()
-    got = native.skinny(LIB, x, _buffer(packed)[0], 1536, bias)
+    got = native.skinny(LIB, x, _buffer(packed)[0], n, bias)
     want = x.double() @ w.double().t() + bias.double()
-    assert got.dtype == torch.bfloat16 and got.shape == (rows, 1536)
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()  # one bf16 rounding (+ fp32 sums)
-    assert torch.equal(native.skinny(LIB, x[-1:].contiguous(), _buffer(packed)[0], 1536, bias)[0], got[-1])
+    assert torch.equal(native.skinny(LIB, x[-1:].contiguous(), _buffer(packed)[0], n, bias)[0], got[-1])
     assert torch.equal(fast_linear(x, w, bias, packed={id(w): packed}), got)  # the engine's path takes it
