@@ -12,9 +12,9 @@
  * With AVX-512 and a head dimension that is a multiple of 16 (64 and 128 specialised), a (row, head) pair runs
  * `pair16`: per block of 16 keys, the block's scores for every query row of the group (the block comes from
  * memory for the first row, from L1 for the others; scoring row by row over all keys instead, which re-reads
- * the keys from L2, measured 1.05-1.17x slower from 512 keys up and the same at 90-160 in float32, and
- * 1.05-1.2x slower in bfloat16; the same sums in the same order, so the same bits), each key's 16-lane
- * partial sums folded into one vector of 16
+ * the keys from L2, was 1.06-1.13x slower from 512 keys up in float32 (0-6% faster at 90-160 keys) and
+ * 1.04-1.21x slower in bfloat16 at every length: the same sums in the same order, so the same bits). Each
+ * key's 16-lane partial sums are folded into one vector of 16
  * scores by a transpose-add tree (15 adds instead of 16 horizontal reductions), the softmax in vector
  * arithmetic (fast_exp.h), and the weighted values accumulated in registers over blocks of 32 value rows.
  * Tried and not kept: software prefetch along keys, values and the next pair's keys (no measurable change at

@@ -13,7 +13,7 @@
  * 2 threads: at 64 rows 1.15x faster than the block-per-item split, 1.05-1.07x for 576 outputs). Tried and
  * not kept: summing each output of a few-block weight in two halves of its inputs (twice the items, so they
  * split evenly at 1 row too): no gain at 1-8 rows, where reading the weights sets the time whichever thread
- * reads them, and 3-11% slower at 64 rows (the partial sums' extra pass). Each output is
+ * reads them, and 1-10% slower at 64 rows (the partial sums' extra pass). Each output is
  * one sum over k in order, whatever M, the tile or the thread count: a row's result depends on that row alone.
  *
  * bfloat16 (`tandem_skinny_bf16`, with AVX-512 BF16): oneDNN packs it as [N/64][K/2][64][2], pairs of input
