@@ -184,7 +184,8 @@ def decode_roofline(engine: TorchEngine, prompts: list[list[int]], new_tokens: i
             # the engine's own product of its weight (packed; csrc/skinny.c at <= 64 rows): where it beats
             # oneDNN, the roof is what it reaches, not oneDNN's rate
             rates["engine"].append(rate(lambda x=x, w=weight: fast_linear(x, w, packed=engine._packed), flops))
-        peak = max(max(rates["onednn"]), max(rates["engine"]))
+        onednn_peak, engine_peak = max(rates["onednn"]), max(rates["engine"])
+        peak = max(onednn_peak, engine_peak)
         big = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
         big.sum()
         t0 = time.perf_counter()
@@ -200,14 +201,15 @@ def decode_roofline(engine: TorchEngine, prompts: list[list[int]], new_tokens: i
     roof = max((linear_flops + attn_flops) / peak, (weight_bytes + kv_bytes) / read_bps)
     dt = str(dtype).removeprefix("torch.")
     print(f"{dt:<5} {b:>2} seqs: decode step {1e3 * measured:.1f} ms; roofline {1e3 * roof:.1f} ms (compute "
-          f"{(linear_flops + attn_flops) / 1e9:.1f} GFLOP at {peak / 1e9:.0f} GFLOP/s (oneDNN {max(rates['onednn']) / 1e9:.0f}, engine {max(rates['engine']) / 1e9:.0f}) = "
+          f"{(linear_flops + attn_flops) / 1e9:.1f} GFLOP at {peak / 1e9:.0f} GFLOP/s (oneDNN {onednn_peak / 1e9:.0f}, "
+          f"engine {engine_peak / 1e9:.0f}) = "
           f"{1e3 * (linear_flops + attn_flops) / peak:.1f} ms; memory {(weight_bytes + kv_bytes) / 1e6:.0f} MB at "
           f"{read_bps / 1e9:.1f} GB/s = {1e3 * (weight_bytes + kv_bytes) / read_bps:.1f} ms); fraction "
           f"{roof / measured:.2f} (size {size} B)")
     return {f"decode_step_ms_{dt}": round(1e3 * measured, 2), f"roofline_step_ms_{dt}": round(1e3 * roof, 2),
             f"roofline_fraction_{dt}": round(roof / measured, 3), f"peak_gflops_{dt}": round(peak / 1e9, 1),
-            f"peak_gflops_onednn_{dt}": round(max(rates["onednn"]) / 1e9, 1),
-            f"peak_gflops_engine_{dt}": round(max(rates["engine"]) / 1e9, 1),
+            f"peak_gflops_onednn_{dt}": round(onednn_peak / 1e9, 1),
+            f"peak_gflops_engine_{dt}": round(engine_peak / 1e9, 1),
             f"read_gbps_{dt}": round(read_bps / 1e9, 2)}
 
 
