@@ -36,5 +36,8 @@ $PIP uninstall -y -q torchvision torchaudio torchcodec || true
 $PIP install -q --no-deps -e .
 $PIP install -q ${TANDEM_PINS//,/ } ${DEV_PINS//,/ }
 $PIP install -q --no-deps ${NO_DEPS//,/ }
+# tcmalloc for runtime.allocator=auto, as in .venv (best effort): the benches that compare the embedded engine
+# with vLLM restart under it, so both sides run on a run's default allocator
+bash "$(dirname "$0")/fetch_allocator.sh" "$VENV/lib/tandem-allocators"
 # fail here, not in the tests, if the environment is broken
 "$VENV/bin/python" -c "import vllm, transformers, tandem; print('vllm', vllm.__version__, '/ transformers', transformers.__version__)"
