@@ -206,6 +206,8 @@ def _skinny_product(shape: tuple[int, int], dtype: torch.dtype) -> Callable | No
     csrc/pack.c writes (checked once per shape, as for in-place packing); else None (oneDNN's product)."""
     from tandem.ops import native
 
+    if dtype not in _ONEDNN_DTYPES:  # bfloat16 on a CPU whose oneDNN does not pack it (AVX2 only)
+        return None
     skinny, pack = native.load("skinny"), native.load("pack")
     if skinny is None or pack is None or not _in_place_ok(pack, shape, dtype, 32):
         return None

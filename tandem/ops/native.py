@@ -63,7 +63,7 @@ from pathlib import Path
 import torch
 
 __all__ = ["NativeKernelError", "choose", "cpu_has_native_bf16", "decode_attention", "dequant_fp8_block",
-           "kernel_cache_dir", "load", "native_enabled",
+           "kernel_cache_dir", "load", "load_variant", "native_enabled",
            "pack_b64", "rms_norm", "rms_norm_backward", "rotary", "rotary_backward", "sample", "swiglu",
            "swiglu_backward"]
 
@@ -75,7 +75,6 @@ _CSRC = Path(__file__).with_name("csrc")
 # (every float op of torch and numpy afterwards), so compiling and linking are two commands.
 _COMPILE = ["-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fopenmp", "-fPIC", "-c"]
 _LINK = ["-shared", "-fopenmp", "-lm"]
-_FLAGS = _COMPILE + _LINK  # the cache key
 _MAX_GROUP, _MAX_HEAD_DIM = 16, 256  # the kernel's limits (csrc/decode_attention.c)
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL | None] = {}
@@ -121,8 +120,10 @@ def cpu_has_native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def _build(name: str) -> Path:
-    """Compile ``csrc/<name>.c`` into the cache (or find it there); raises NativeKernelError."""
+def _build(name: str, march: str = "native") -> Path:
+    """Compile ``csrc/<name>.c`` into the cache (or find it there); raises NativeKernelError. ``march``: the
+    target (``-march=``); another than ``native`` builds a variant, such as the AVX2 one on an AVX-512 CPU
+    (`load_variant`)."""
     if not sys.platform.startswith("linux"):
         raise NativeKernelError(f"native kernels are built on Linux only (this is {sys.platform})")
     cc = _compiler()
@@ -133,7 +134,9 @@ def _build(name: str) -> Path:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeKernelError(f"{cc} --version failed: {e}") from e
-    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode() + " ".join(_FLAGS).encode())
+    compile_flags = [f"-march={march}" if f == "-march=native" else f for f in _COMPILE]
+    key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()
+                         + " ".join(compile_flags + _LINK).encode())
     cache = kernel_cache_dir()
     target = cache / f"lib{name}-{key.hexdigest()[:16]}.so"
     if target.is_file():
@@ -146,7 +149,7 @@ def _build(name: str) -> Path:
     os.close(fd)
     obj = tmp[: -len(".so")] + ".o"
     try:
-        for cmd in ([cc, *_COMPILE, str(_CSRC / f"{name}.c"), "-o", obj], [cc, obj, *_LINK, "-o", tmp]):
+        for cmd in ([cc, *compile_flags, str(_CSRC / f"{name}.c"), "-o", obj], [cc, obj, *_LINK, "-o", tmp]):
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise NativeKernelError(f"building {name} failed ({' '.join(cmd)}):\n{done.stderr.strip()[-2000:]}")
@@ -184,6 +187,18 @@ def load(name: str = "decode_attention", *, required: bool = False) -> ctypes.CD
         _bind(name, lib)
         _libs[name] = lib
         return lib
+
+
+def load_variant(name: str, march: str) -> ctypes.CDLL:
+    """Kernel ``name`` built for ``-march=<march>`` (not cached in-process, not used by the engine): a test or
+    bench compares the code paths of two instruction sets on one CPU (x86-64-v3: AVX2 + FMA; this CPU must run
+    them). Raises NativeKernelError when it cannot be built."""
+    try:
+        lib = ctypes.CDLL(str(_build(name, march)))
+    except OSError as e:
+        raise NativeKernelError(str(e)) from e
+    _bind(name, lib)
+    return lib
 
 
 def choose(name: str, choice: str, device, deterministic: bool) -> ctypes.CDLL | None:

@@ -11,16 +11,21 @@ from tandem.ops.batch_invariant import invariant_linear
 from tandem.ops.linear import CAN_PACK, _buffer, _onednn, fast_linear, pack_weight
 
 LIB = native.load("skinny") if CAN_PACK else None
-pytestmark = pytest.mark.skipif(LIB is None or not linear._skinny_ok((192, 576)),
+pytestmark = pytest.mark.skipif(LIB is None or not linear._skinny_ok((576, 576)),
                                 reason="no oneDNN packing, no C compiler, or another packed layout on this CPU")
 
 
-def _weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def _weight(n: int, k: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight and its packed copy; skips where oneDNN packs this shape otherwise (on an AVX2-only CPU it packs
+    a 192-output weight in other blocks: the engine keeps oneDNN's product there, `_skinny_ok`)."""
+    if not linear._skinny_ok((n, k), dtype):
+        pytest.skip(f"oneDNN packs a {dtype} [{n}, {k}] weight in another layout on this CPU")
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     return w, pack_weight(w)
 
 
-@pytest.mark.parametrize("n,k", [(192, 576), (1536, 576), (576, 1536), (64, 8), (2048, 64)])  # 2048: unsplit sums
+@pytest.mark.parametrize("n,k", [(192, 576), (320, 576), (1536, 576), (576, 1536), (64, 8),
+                                 (2048, 64)])  # 2048: unsplit sums
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 64])
 def test_the_product_is_the_reference_within_rounding(n, k, rows):
     w, packed = _weight(n, k)
@@ -32,7 +37,7 @@ def test_the_product_is_the_reference_within_rounding(n, k, rows):
     assert (got.double() - want).abs().max() < 1e-5 * k ** 0.5
 
 
-@pytest.mark.parametrize("n", [1536, 192])  # 192: 3 blocks, so 2 threads split a block's tiles between them
+@pytest.mark.parametrize("n", [1536, 192, 320])  # 3 and 5 blocks: 2 threads split a block's tiles between them
 def test_a_rows_bits_depend_on_that_row_alone(n):
     w, packed = _weight(n, 576)
     x = torch.randn(23, 576, generator=torch.Generator().manual_seed(1))
@@ -48,6 +53,33 @@ def test_a_rows_bits_depend_on_that_row_alone(n):
             assert torch.equal(native.skinny(LIB, x, ptr, n, None), together)
     finally:
         torch.set_num_threads(threads)
+
+
+def _x86_64_v3_lib():
+    flags = set(native._cpu_flags().split())
+    if not {"avx2", "fma", "f16c", "bmi2"} <= flags:
+        pytest.skip("this CPU cannot run an x86-64-v3 (AVX2 + FMA) build")
+    try:
+        return native.load_variant("skinny", "x86-64-v3")
+    except native.NativeKernelError as e:
+        pytest.skip(f"no x86-64-v3 build here: {e}")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 13, 64])
+def test_the_avx2_build_gives_the_same_bits(rows):
+    """The AVX2 tile (256-bit stripes of the block; a 512-bit tile spills on AVX2 and ran 3-9x slower than
+    oneDNN there) sums each output in the same order with the same fused multiply-adds: on an AVX-512 CPU its
+    bits equal the default build's, on an AVX2 CPU the two builds are the same code. Every row count takes
+    its own stripe shape (1; 2-3; 4-6 rows)."""
+    v3 = _x86_64_v3_lib()
+    w, packed = _weight(1536, 576)
+    bias = torch.randn(1536) if rows % 2 else None
+    x = torch.randn(rows, 576, generator=torch.Generator().manual_seed(rows))
+    ptr = _buffer(packed)[0]
+    got = native.skinny(v3, x, ptr, 1536, bias)
+    assert torch.equal(got, native.skinny(LIB, x, ptr, 1536, bias))
+    want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    assert (got.double() - want).abs().max() < 1e-5 * 576 ** 0.5
 
 
 def test_fast_linear_takes_it_for_few_rows_and_onednn_otherwise(monkeypatch):
@@ -69,7 +101,8 @@ def test_fast_linear_takes_it_for_few_rows_and_onednn_otherwise(monkeypatch):
 
 
 def test_a_shape_oneDNN_does_not_pack_in_64_row_blocks_stays_with_onednn():
-    w, packed = _weight(100, 576)  # 100 outputs: not a multiple of 64
+    w = torch.randn(100, 576, generator=torch.Generator().manual_seed(0)) * 0.05  # 100 outputs: not a multiple of 64
+    packed = pack_weight(w)
     assert not linear._skinny_ok((100, 576))
     with pytest.raises(ValueError, match="N must be a multiple of 64"):
         native.skinny(LIB, torch.randn(2, 576), _buffer(packed)[0], 100, None)
