@@ -125,8 +125,10 @@ def test_golden_three_steps(tmp_path):
     for g, w in zip(got, want, strict=True):
         assert g["adv/reward_mean"] == w["adv/reward_mean"]
         assert g["rollout/response_len_mean"] == w["rollout/response_len_mean"]
-        for k in w:
-            assert g[k] == pytest.approx(w[k], rel=1e-5, abs=1e-7), k
+        for k in w:  # float32 kernels sum in another order on AVX2 than on AVX-512 (where this file was written):
+            # after two optimizer steps the gradient norm moved by 1.1e-5 of itself on an AVX2-only EPYC
+            rel = 1e-4 if k == "train/grad_norm" else 1e-5
+            assert g[k] == pytest.approx(w[k], rel=rel, abs=1e-7), k
 
 
 def test_logged_reward_is_every_samples_and_the_trained_batchs_is_apart(tmp_path):

@@ -154,7 +154,9 @@ def test_micro_batched_step_equals_full_batch_reference(build, loss_fn):
         hf.parameters(), lr=OPT.lr, betas=OPT.betas, eps=OPT.eps, weight_decay=OPT.weight_decay
     ).step()
     metrics = engine._finish_step(stats, 0.0)
-    assert abs(metrics["train/grad_norm"] - float(norm)) < 1e-6 * float(norm)  # ours is summed in float64
+    # ours is summed in float64 over gradients that differ from HF's by up to 1e-5 each (above): 1.1e-6 of the norm
+    # on an AVX2-only EPYC, where the float32 kernels sum in another order than on AVX-512
+    assert abs(metrics["train/grad_norm"] - float(norm)) < 1e-5 * float(norm)
     assert abs(metrics["pg/loss"] - float(loss)) < 1e-6  # metric shares sum to the global value
     assert metrics["train/skipped_step"] == 0.0 and metrics["train/lr"] == OPT.lr
     assert max_abs_diff(sync_weights(engine), dict(hf.state_dict())) < 1e-6
