@@ -180,6 +180,10 @@ def fast_linear(
 # csrc/skinny.c on the packed bytes instead of oneDNN (0: never). Set at run time to compare the two
 # (bench/skinny_linear.py).
 SKINNY_MAX_ROWS = 64
+# Where the kernel runs its AVX2 tile (a CPU without AVX-512), at most this many rows: it was 1.0-1.3x oneDNN's
+# speed at 1-16 rows on an AVX2-only EPYC and 0.83-0.89x at 24-64 (docs/inference.md, "Few-row products").
+SKINNY_MAX_ROWS_256 = 16
+_SKINNY_WIDE = True  # whether the loaded kernel runs its 512-bit tile (set when it loads)
 _SKINNY: dict[tuple[int, int, torch.dtype], Callable | None] = {}  # (N, K, dtype) -> the kernel's product, or None
 
 
@@ -191,7 +195,7 @@ def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Te
             and packed_weight.shape[1] == k and (bias is None or bias.dtype == dtype)):  # else oneDNN's error
         n = packed_weight.shape[0]
         product = _skinny_for((n, k), dtype)
-        if product is not None:
+        if product is not None and (_SKINNY_WIDE or x.numel() <= SKINNY_MAX_ROWS_256 * k):
             y = product(x.view(-1, k), _buffer(packed_weight)[0], n, None if bias is None else bias.contiguous())
             return y.view(*x.shape[:-1], n)
     return _onednn(x, packed_weight, bias)
@@ -208,9 +212,11 @@ def _skinny_product(shape: tuple[int, int], dtype: torch.dtype) -> Callable | No
 
     if dtype not in _ONEDNN_DTYPES:  # bfloat16 on a CPU whose oneDNN does not pack it (AVX2 only)
         return None
+    global _SKINNY_WIDE
     skinny, pack = native.load("skinny"), native.load("pack")
     if skinny is None or pack is None or not _in_place_ok(pack, shape, dtype, 32):
         return None
+    _SKINNY_WIDE = skinny.tandem_skinny_vector_bits() >= 512
     try:  # a 64 x 2 probe: says whether this build has the dtype's kernel
         probe = _pack(torch.zeros(64, 2, dtype=dtype), 32)
         native.skinny(skinny, torch.zeros(1, 2, dtype=dtype), _buffer(probe)[0], 64, None)

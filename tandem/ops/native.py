@@ -242,6 +242,8 @@ def _bind(name: str, lib: ctypes.CDLL) -> None:
         for fn in (lib.tandem_skinny_f32, lib.tandem_skinny_bf16):
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr]
+        lib.tandem_skinny_vector_bits.restype = ctypes.c_int
+        lib.tandem_skinny_vector_bits.argtypes = []
 
 
 def supports(group: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:

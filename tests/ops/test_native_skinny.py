@@ -100,6 +100,26 @@ def test_fast_linear_takes_it_for_few_rows_and_onednn_otherwise(monkeypatch):
                        _onednn(few.reshape(6, 576), packed, None))
 
 
+def test_the_avx2_tile_takes_at_most_16_rows(monkeypatch):
+    """The AVX2 tile is slower than oneDNN past 16 rows (measured): there `fast_linear` keeps oneDNN's product."""
+    w, packed = _weight(576, 576)
+    ptr = _buffer(packed)[0]
+    assert LIB.tandem_skinny_vector_bits() in (256, 512)
+    assert linear._SKINNY_WIDE == (LIB.tandem_skinny_vector_bits() == 512)
+    calls = []  # which rows the kernel ran (oneDNN's bits can equal the kernel's on AVX2)
+    kernel = linear._skinny_for((576, 576), torch.float32)
+    monkeypatch.setitem(linear._SKINNY, (576, 576, torch.float32),
+                        lambda x, *a: calls.append(x.shape[0]) or kernel(x, *a))
+    monkeypatch.setattr(linear, "_SKINNY_WIDE", False)
+    x16, x17 = torch.randn(16, 576), torch.randn(17, 576)
+    assert torch.equal(fast_linear(x16, w, packed={id(w): packed}), native.skinny(LIB, x16, ptr, 576, None))
+    assert torch.equal(fast_linear(x17, w, packed={id(w): packed}), _onednn(x17, packed, None))
+    assert calls == [16]
+    monkeypatch.setattr(linear, "_SKINNY_WIDE", True)
+    assert torch.equal(fast_linear(x17, w, packed={id(w): packed}), native.skinny(LIB, x17, ptr, 576, None))
+    assert calls == [16, 17]
+
+
 def test_a_shape_oneDNN_does_not_pack_in_64_row_blocks_stays_with_onednn():
     w = torch.randn(100, 576, generator=torch.Generator().manual_seed(0)) * 0.05  # 100 outputs: not a multiple of 64
     packed = pack_weight(w)

@@ -73,16 +73,21 @@ static inline void tile(const float *x, int64_t ldx, int rows, int64_t K, const 
 /* AVX2 (256-bit vectors, 16 registers): the 512-bit tile above needs 48 of them and ran 3-4x slower than oneDNN
  * on an AVX2-only AMD EPYC (Zen 3). Here a tile walks the block in stripes of S 8-float vectors, R rows at a
  * time, R * S accumulators: 1 row takes the whole block (8), 2-3 rows stripes of 32 outputs (8-12), 4-6 rows
- * stripes of 16 (8-12). The first stripe reads the block from memory, the others from L2 (K x 256 bytes). Each
- * output is still one sum over k in order with the same fused multiply-adds: the same bits as the 512-bit tile. */
+ * stripes of 16 (8-12). The inputs go in chunks of KC columns (KC x 256 bytes of the block: in L1), every
+ * stripe over a chunk before the next, the partial sums kept in y between chunks: the block streams from
+ * memory once per tile. Each output is still one sum over k in order with the same fused multiply-adds (a
+ * float32 store and load are exact): the same bits as the 512-bit tile. */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+#define KC 64
 
 #define STRIPE(R, S, J0)                                                                          \
     do {                                                                                         \
         v8 acc[R][S];                                                                            \
         for (int m = 0; m < R; ++m)                                                              \
-            for (int j = 0; j < S; ++j) acc[m][j] = (v8){0};                                     \
-        for (int64_t k = 0; k < K; ++k) {                                                        \
+            for (int j = 0; j < S; ++j)                                                          \
+                acc[m][j] = k0 ? *(const v8 *)(y + m * ldy + 8 * ((J0) + j)) : (v8){0};          \
+        for (int64_t k = k0; k < k1; ++k) {                                                      \
             const float *wk = w + k * 64 + 8 * (J0);                                             \
             for (int m = 0; m < R; ++m) {                                                        \
                 const float s = x[m * ldx + k];                                                  \
@@ -90,26 +95,42 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));
             }                                                                                    \
         }                                                                                        \
         for (int m = 0; m < R; ++m)                                                              \
-            for (int j = 0; j < S; ++j) {                                                        \
-                v8 a = acc[m][j];                                                                \
-                if (bias) a += *(const v8 *)(bias + 8 * ((J0) + j));                             \
-                *(v8 *)(y + m * ldy + 8 * ((J0) + j)) = a;                                       \
-            }                                                                                    \
+            for (int j = 0; j < S; ++j) *(v8 *)(y + m * ldy + 8 * ((J0) + j)) = acc[m][j];       \
     } while (0)
 
-static inline void tile(const float *x, int64_t ldx, int rows, int64_t K, const float *w, const float *bias,
-                        float *y, int64_t ldy) {
+/* Rows 1-3 of a tile over inputs k0 .. k1 - 1: 1 row the whole block, 2-3 rows two stripes of 32 outputs. */
+static inline void stripes(const float *x, int64_t ldx, int rows, const float *w, float *y, int64_t ldy,
+                           int64_t k0, int64_t k1) {
     switch (rows) {
     case 1: STRIPE(1, 8, 0); break;
     case 2: for (int j0 = 0; j0 < 8; j0 += 4) STRIPE(2, 4, j0); break;
-    case 3: for (int j0 = 0; j0 < 8; j0 += 4) STRIPE(3, 4, j0); break;
-    case 4: for (int j0 = 0; j0 < 8; j0 += 2) STRIPE(4, 2, j0); break;
-    case 5: for (int j0 = 0; j0 < 8; j0 += 2) STRIPE(5, 2, j0); break;
-    default: for (int j0 = 0; j0 < 8; j0 += 2) STRIPE(6, 2, j0); break;
+    default: for (int j0 = 0; j0 < 8; j0 += 4) STRIPE(3, 4, j0); break;
     }
 }
+
+static inline void tile(const float *x, int64_t ldx, int rows, int64_t K, const float *w, const float *bias,
+                        float *y, int64_t ldy) {
+    for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t k1 = k0 + KC < K ? k0 + KC : K;
+        stripes(x, ldx, rows < 3 ? rows : 3, w, y, ldy, k0, k1);
+        if (rows > 3) stripes(x + 3 * ldx, ldx, rows - 3, w, y + 3 * ldy, ldy, k0, k1);
+    }
+    if (bias)
+        for (int m = 0; m < rows; ++m)
+            for (int j = 0; j < 8; ++j) *(v8 *)(y + m * ldy + 8 * j) += *(const v8 *)(bias + 8 * j);
+}
 #undef STRIPE
+#undef KC
 #endif
+
+/* The float32 tile this build runs: 512 (the 512-bit tile) or 256 (AVX2's stripes). */
+int tandem_skinny_vector_bits(void) {
+#if defined(__AVX512F__) || !defined(__AVX2__)
+    return 512;
+#else
+    return 256;
+#endif
+}
 
 int tandem_skinny_f32(const float *x, int64_t M, int64_t K, const float *packed, int64_t N, const float *bias,
                       float *y) {
