@@ -15,6 +15,8 @@
  * split evenly at 1 row too): no gain at 1-8 rows, where reading the weights sets the time whichever thread
  * reads them, and 1-10% slower at 64 rows (the partial sums' extra pass). Each output is
  * one sum over k in order, whatever M, the tile or the thread count: a row's result depends on that row alone.
+ * Without AVX-512 (AVX2: 16 256-bit registers) the tile is another one, below, with the same sums; it beats
+ * oneDNN up to 16 rows only, so tandem/ops/linear.py gives it at most that many (`tandem_skinny_vector_bits`).
  *
  * bfloat16 (`tandem_skinny_bf16`, with AVX-512 BF16): oneDNN packs it as [N/64][K/2][64][2], pairs of input
  * columns side by side, which is what `vdpbf16ps` takes: per pair of columns, the block's four 32-value vectors
