@@ -74,10 +74,11 @@ static inline void tile(const float *x, int64_t ldx, int rows, int64_t K, const 
 #else
 /* AVX2 (256-bit vectors, 16 registers): the 512-bit tile above needs 48 of them and ran 3-4x slower than oneDNN
  * on an AVX2-only AMD EPYC (Zen 3). Here a tile walks the block in stripes of S 8-float vectors, R rows at a
- * time, R * S accumulators: 1 row takes the whole block (8), 2-3 rows stripes of 32 outputs (8-12), 4-6 rows
- * stripes of 16 (8-12). The inputs go in chunks of KC columns (KC x 256 bytes of the block: in L1), every
- * stripe over a chunk before the next, the partial sums kept in y between chunks: the block streams from
- * memory once per tile. Each output is still one sum over k in order with the same fused multiply-adds (a
+ * time, R * S accumulators: 1 row takes the whole block (8), 2-3 rows two stripes of 32 outputs (8-12), 4-6 rows
+ * two halves of 3 rows (the first AVX2 tile's stripes of 16 outputs, without the chunks below, read the block
+ * 4 times from memory: 1.25-1.36x slower at 4-6 rows). The inputs go in chunks of KC columns (KC x 256 bytes
+ * of the block: in L1), every stripe over a chunk before the next, the partial sums kept in y between chunks:
+ * the block streams from memory once per tile. Each output is still one sum over k in order with the same fused multiply-adds (a
  * float32 store and load are exact): the same bits as the 512-bit tile. */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
@@ -146,7 +147,6 @@ int tandem_skinny_f32(const float *x, int64_t M, int64_t K, const float *packed,
     }
     return 0;
 }
-
 
 #ifdef __AVX512BF16__
 static inline void tile_bf16(const uint32_t *x, int64_t ldx, int rows, int64_t K2, const uint16_t *w,
