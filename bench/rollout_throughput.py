@@ -15,6 +15,7 @@ between vLLM's log-probs and the FSDP2 trainer's.
     .venv/bin/python bench/rollout_throughput.py --quick    # 8 sequences x 32 tokens, fp32 only
     .venv-vllm/bin/python bench/rollout_throughput.py --batches 16,64 --new-tokens 64   # with vLLM (~15 min)
     .venv/bin/python bench/rollout_throughput.py --attention-ab 32x400   # native vs torch decode attention only
+                     # (and the kernel's other builds this CPU runs: AVX2 pair8, the portable loop)
     .venv/bin/python bench/rollout_throughput.py --sampler-ab 64x64      # native vs torch sampler only
     .venv/bin/python bench/rollout_throughput.py --pointwise-ab 64x64    # native vs torch RMSNorm/rotary/SwiGLU
     .venv/bin/python bench/rollout_throughput.py --scope-ab 1x64         # steps in fast_linear_scope vs the old mode
@@ -308,15 +309,36 @@ def kernel_ab(option: str, spec: str, dtype: str, threads: int, repeats: int) ->
     for (owner, attr), original in zip(targets, originals, strict=True):
         setattr(owner, attr, timing(original))
     engines = {m: make_engine(dtype, False, threads, seqs, **{option: m}) for m in ("native", "torch")}
-    rows: dict[str, list[tuple[float, float]]] = {m: [] for m in engines}
+    # decode attention: the kernel's other builds this CPU runs, swapped into the native engine (an AVX-512 CPU
+    # runs pair16 by default, and pair8 in the x86-64-v3 build; x86-64 is the portable loop every build had
+    # before it was specialised): arm name -> (engine, library or None for the engine's own)
+    arms = {m: (e, None) for m, e in engines.items()}
+    if option == "decode_attention" and engines["native"].health()[option] == "native":
+        from tandem.ops import native
+
+        default_bits = native.load("decode_attention").tandem_decode_attention_vector_bits()
+        for march in ("x86-64-v3", "x86-64"):
+            try:
+                lib = native.load_variant("decode_attention", march)
+            except native.NativeKernelError as e:
+                print(f"no {march} build of the attention kernel here: {e}")
+                continue
+            if lib.tandem_decode_attention_vector_bits() != default_bits:
+                arms[f"native_{march}"] = (engines["native"], lib)
+    rows: dict[str, list[tuple[float, float]]] = {m: [] for m in arms}
     try:
         if engines["native"].health()[option] != "native":
             return {"error": f"native {option} kernel unavailable (no C compiler?)"}
+        own = engines["native"]._native_attention if option == "decode_attention" else None
         for _ in range(repeats):
-            for mode, engine in engines.items():
+            for mode, (engine, lib) in arms.items():
+                if option == "decode_attention" and engine is engines["native"]:
+                    engine._native_attention = lib or own
                 spent["s"], steps0 = 0.0, engine.health()["steps"]
                 wall = run_tandem(engine, prompts, new)
                 rows[mode].append((wall, spent["s"] / (engine.health()["steps"] - steps0)))
+        if own is not None:
+            engines["native"]._native_attention = own
     finally:
         for (owner, attr), original in zip(targets, originals, strict=True):
             setattr(owner, attr, original)
@@ -331,6 +353,9 @@ def kernel_ab(option: str, spec: str, dtype: str, threads: int, repeats: int) ->
         print(f"{dtype:<5} {seqs} seqs x {new} tokens, {mode:>6} {option}: {out[mode]['tok_s']:7.1f} tok/s "
               f"(spread {out[mode]['spread']}), {part} {out[mode][f'{part}_ms_per_step']} ms per step")
     out["native_over_torch"] = round(out["native"]["tok_s"] / out["torch"]["tok_s"], 3)
+    for mode in rows:
+        if mode.startswith("native_x86"):
+            out[f"native_over_{mode}"] = round(out["native"]["tok_s"] / out[mode]["tok_s"], 3)
     return {"seqs": seqs, "new_tokens": new, "dtype": dtype, **out}
 
 

@@ -7,7 +7,8 @@ per matrix on them (SmolLM2-135M, 64 sequences: 192 matrices per product, ~21 ms
 at ~14 GFLOP/s, docs/benchmarks.md). The loop below reads each key and value row once, straight from the
 cache slots, and keeps the scores of one (sequence, head) in a thread's buffer: it is bound by reading the
 keys and values, as decode attention should be (with AVX-512: 16 keys a block, a transpose-add tree for
-their scores, a vector softmax; csrc/decode_attention.c). It also writes the step's
+their scores, a vector softmax; csrc/decode_attention.c; with AVX2 alone, the same in 8-lane vectors,
+csrc/decode_attention_avx2.h). It also writes the step's
 own keys and values into the cache when asked (`new_k`, `new_v`), which torch's ``index_copy_`` did at
 ~90 us a layer on cold cache lines. SDPA's CPU flash kernel does not help here: it costs ~60 us per call
 and tiles for long query blocks.
@@ -217,6 +218,8 @@ def _bind(name: str, lib: ctypes.CDLL) -> None:
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64,
                            ctypes.c_float, i64]
+        lib.tandem_decode_attention_vector_bits.restype = ctypes.c_int
+        lib.tandem_decode_attention_vector_bits.argtypes = []
     elif name == "sample":
         lib.tandem_sample_f32.restype = ctypes.c_int
         lib.tandem_sample_f32.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, ptr]

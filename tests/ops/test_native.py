@@ -29,28 +29,46 @@ def _view(cache, s, length):  # the strided view of slots 1 .. s the torch path 
     return cache[1 : s + 1, :, :length]
 
 
+_BUILDS = {"native": None, "x86-64-v3": 256, "x86-64": 0}  # -march= and the pair kernel's vector bits
+
+
+@pytest.fixture(params=list(_BUILDS))
+def lib(request):
+    """The kernel of this CPU, and (on x86) its AVX2 build and its portable build: each code path of
+    csrc/decode_attention.c runs on any x86 CPU that CI lands on (AVX-512: pair16; AVX2: pair8; neither: the
+    portable loop)."""
+    if request.param == "native":
+        return native.load()
+    try:
+        built = native.load_variant("decode_attention", request.param)
+    except native.NativeKernelError as e:
+        pytest.skip(f"no {request.param} build here: {e}")
+    assert built.tandem_decode_attention_vector_bits() == _BUILDS[request.param]
+    return built
+
+
 @needs_native
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("s,hkv,g,d,length", [(5, 3, 3, 64, 82), (1, 1, 1, 32, 1), (7, 2, 8, 128, 300), (4, 4, 1, 16, 9),
                                              (2, 2, 2, 48, 40), (3, 1, 16, 80, 130), (2, 1, 3, 256, 33),
                                              (2, 2, 2, 40, 17)])  # head dims off the specialised 64 / 128
-def test_matches_the_torch_path(dtype, tol, s, hkv, g, d, length):
+def test_matches_the_torch_path(lib, dtype, tol, s, hkv, g, d, length):
     q, cache_k, cache_v, slots, limit = _case(s, hkv, g, d, 512, length, dtype)
     scale = d**-0.5
     want = _masked_attention(q, _view(cache_k, s, length), _view(cache_v, s, length), limit, scale)
-    got = native.decode_attention(native.load(), q, cache_k, cache_v, slots, limit, scale)
+    got = native.decode_attention(lib, q, cache_k, cache_v, slots, limit, scale)
     assert got.dtype == dtype and got.shape == want.shape
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     # rows in any order of slots (decode rows are not always the slot order): the same per row
     perm = torch.randperm(s)
-    got_perm = native.decode_attention(native.load(), q[perm], cache_k, cache_v, slots[perm], limit[perm], scale)
+    got_perm = native.decode_attention(lib, q[perm], cache_k, cache_v, slots[perm], limit[perm], scale)
     assert torch.equal(got_perm, got[perm])
 
 
 @needs_native
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("start,n", [(0, 1), (0, 5), (37, 5), (100, 16)])
-def test_chunk_rows_match_the_small_chunk_path(dtype, tol, start, n):
+def test_chunk_rows_match_the_small_chunk_path(lib, dtype, tol, start, n):
     """A short chunk (a speculative verification, a sibling's last prompt token) as rows of one slot with
     causal limits ``start + i + 1`` equals `_small_chunk_attention`."""
     hkv, g, d = 3, 3, 64
@@ -60,7 +78,7 @@ def test_chunk_rows_match_the_small_chunk_path(dtype, tol, start, n):
     q = torch.randn(n, hkv * g, d, generator=gen).to(dtype)
     end = start + n
     want = _small_chunk_attention(q, cache_k[2, :, :end], cache_v[2, :, :end], start, d**-0.5)
-    got = native.decode_attention(native.load(), q.view(n, hkv, g, d), cache_k, cache_v, torch.full((n,), 2),
+    got = native.decode_attention(lib, q.view(n, hkv, g, d), cache_k, cache_v, torch.full((n,), 2),
                                   torch.arange(start + 1, end + 1), d**-0.5)
     torch.testing.assert_close(got.view(n, hkv * g, d).float(), want.float(), atol=tol, rtol=tol)
 

@@ -20,7 +20,9 @@
  * Tried and not kept: software prefetch along keys, values and the next pair's keys (no measurable change at
  * 83 or 400 keys), a one-pass online softmax reading each key block with its values (1.1-1.5x slower), the
  * key / value blocks of bf16 converted once for all query rows (slower at 400 keys). Otherwise (or without
- * AVX-512) the portable loop below. Both read only keys and values at positions < limit.
+ * AVX-512) the portable loop below. Both read only keys and values at positions < limit. An AVX2 build without
+ * AVX-512 runs `pair8` instead (decode_attention_avx2.h: the same structure in 8-lane vectors, for head
+ * dimensions that are a multiple of 8).
  *
  * With new_k / new_v ([R, H, D] contiguous, the cache's dtype; or NULL), row r's own key and value are first
  * written into the cache at position limit[r] - 1 of its slot (where the torch path's index_copy_ puts them),
@@ -33,7 +35,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -169,19 +171,25 @@ PAIR16(pair16_f32, float, load16_f32)
 PAIR16(pair16_bf16, uint16_t, load16_bf16)
 
 /* the pair with C a constant for the common head dimensions */
-#define PAIR16_DISPATCH(FN, q, k, v, k_l, v_l, n, G, D, scale, p, o)                                      \
+#define PAIR_DISPATCH(FN, q, k, v, k_l, v_l, n, G, D, scale, p, o)                                        \
     do {                                                                                                   \
         if ((D) == 64) FN(q, k, v, k_l, v_l, n, G, 4, scale, p, o);                                        \
         else if ((D) == 128) FN(q, k, v, k_l, v_l, n, G, 8, scale, p, o);                                  \
         else FN(q, k, v, k_l, v_l, n, G, (D) / 16, scale, p, o);                                           \
     } while (0)
-#define FAST16(D) ((D) % 16 == 0)
+#define FAST_PAIR(D) ((D) % 16 == 0)
+#define PAIR_F32 pair16_f32
+#define PAIR_BF16 pair16_bf16
+#elif defined(__AVX2__) && defined(__FMA__)
+#include "decode_attention_avx2.h"
 #else
-#define FAST16(D) 0
-#define PAIR16_DISPATCH(FN, q, k, v, k_l, v_l, n, G, D, scale, p, o) do { } while (0)
+#define FAST_PAIR(D) 0
+#define PAIR_DISPATCH(FN, q, k, v, k_l, v_l, n, G, D, scale, p, o) do { } while (0)
+#define PAIR_F32 none
+#define PAIR_BF16 none
 #endif
 
-#define DECODE_ATTENTION(NAME, T, LOAD, PAIR16_FN)                                                             \
+#define DECODE_ATTENTION(NAME, T, LOAD, PAIR_FN)                                                               \
     int NAME(const float *q, T *k, T *v, int64_t k_s, int64_t k_h, int64_t k_l,                      \
              int64_t v_s, int64_t v_h, int64_t v_l, const int64_t *slot, const int64_t *limit,       \
              const T *new_k, const T *new_v,                                                         \
@@ -214,8 +222,8 @@ PAIR16(pair16_bf16, uint16_t, load16_bf16)
                 if (n <= 0) continue;                                                                \
                 const float *qq = q + pair * G * D;                                                  \
                 const T *kk = k + slot[s] * k_s + h * k_h, *vv = v + slot[s] * v_s + h * v_h;         \
-                if (FAST16(D)) {                                                                     \
-                    PAIR16_DISPATCH(PAIR16_FN, qq, kk, vv, k_l, v_l, n, G, D, scale, p, o);            \
+                if (FAST_PAIR(D)) {                                                                  \
+                    PAIR_DISPATCH(PAIR_FN, qq, kk, vv, k_l, v_l, n, G, D, scale, p, o);                \
                     continue;                                                                        \
                 }                                                                                    \
                 float m[MAX_GROUP], inv[MAX_GROUP];                                                  \
@@ -258,5 +266,16 @@ PAIR16(pair16_bf16, uint16_t, load16_bf16)
         return status;                                                                               \
     }
 
-DECODE_ATTENTION(tandem_decode_attention_f32, float, AS_FLOAT, pair16_f32)
-DECODE_ATTENTION(tandem_decode_attention_bf16, uint16_t, bf16_to_f32, pair16_bf16)
+/* the vector width of the pair kernel this build runs: 512 (pair16), 256 (pair8, AVX2), 0 (the portable loop) */
+int tandem_decode_attention_vector_bits(void) {
+#if defined(__AVX512F__)
+    return 512;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return 256;
+#else
+    return 0;
+#endif
+}
+
+DECODE_ATTENTION(tandem_decode_attention_f32, float, AS_FLOAT, PAIR_F32)
+DECODE_ATTENTION(tandem_decode_attention_bf16, uint16_t, bf16_to_f32, PAIR_BF16)
