@@ -309,22 +309,22 @@ def kernel_ab(option: str, spec: str, dtype: str, threads: int, repeats: int) ->
     for (owner, attr), original in zip(targets, originals, strict=True):
         setattr(owner, attr, timing(original))
     engines = {m: make_engine(dtype, False, threads, seqs, **{option: m}) for m in ("native", "torch")}
-    # decode attention: the kernel's other builds this CPU runs, swapped into the native engine (an AVX-512 CPU
-    # runs pair16 by default, and pair8 in the x86-64-v3 build; x86-64 is the portable loop every build had
-    # before it was specialised): arm name -> (engine, library or None for the engine's own)
+    # decode attention: the kernel's other builds this CPU runs, swapped into the native engine: an AVX-512 CPU
+    # runs pair16 by default and pair8 in the x86-64-v3 build; "portable" is the portable loop built for this
+    # CPU (what an AVX2 CPU ran before pair8): arm name -> (engine, library or None for the engine's own)
     arms = {m: (e, None) for m, e in engines.items()}
     if option == "decode_attention" and engines["native"].health()[option] == "native":
         from tandem.ops import native
 
         default_bits = native.load("decode_attention").tandem_decode_attention_vector_bits()
-        for march in ("x86-64-v3", "x86-64"):
+        for arm, march, defines in (("x86-64-v3", "x86-64-v3", ()), ("portable", "native", ("TANDEM_PORTABLE_ATTENTION",))):
             try:
-                lib = native.load_variant("decode_attention", march)
+                lib = native.load_variant("decode_attention", march, defines)
             except native.NativeKernelError as e:
-                print(f"no {march} build of the attention kernel here: {e}")
+                print(f"no {arm} build of the attention kernel here: {e}")
                 continue
             if lib.tandem_decode_attention_vector_bits() != default_bits:
-                arms[f"native_{march}"] = (engines["native"], lib)
+                arms[f"native_{arm}"] = (engines["native"], lib)
     rows: dict[str, list[tuple[float, float]]] = {m: [] for m in arms}
     try:
         if engines["native"].health()[option] != "native":
@@ -354,7 +354,7 @@ def kernel_ab(option: str, spec: str, dtype: str, threads: int, repeats: int) ->
               f"(spread {out[mode]['spread']}), {part} {out[mode][f'{part}_ms_per_step']} ms per step")
     out["native_over_torch"] = round(out["native"]["tok_s"] / out["torch"]["tok_s"], 3)
     for mode in rows:
-        if mode.startswith("native_x86"):
+        if mode.startswith("native_"):
             out[f"native_over_{mode}"] = round(out["native"]["tok_s"] / out[mode]["tok_s"], 3)
     return {"seqs": seqs, "new_tokens": new, "dtype": dtype, **out}
 

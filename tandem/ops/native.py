@@ -121,10 +121,10 @@ def cpu_has_native_bf16() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
-def _build(name: str, march: str = "native") -> Path:
+def _build(name: str, march: str = "native", defines: tuple[str, ...] = ()) -> Path:
     """Compile ``csrc/<name>.c`` into the cache (or find it there); raises NativeKernelError. ``march``: the
     target (``-march=``); another than ``native`` builds a variant, such as the AVX2 one on an AVX-512 CPU
-    (`load_variant`)."""
+    (`load_variant`); ``defines``: preprocessor macros of a variant (``-D<name>``)."""
     if not sys.platform.startswith("linux"):
         raise NativeKernelError(f"native kernels are built on Linux only (this is {sys.platform})")
     cc = _compiler()
@@ -135,7 +135,7 @@ def _build(name: str, march: str = "native") -> Path:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise NativeKernelError(f"{cc} --version failed: {e}") from e
-    compile_flags = [f"-march={march}" if f == "-march=native" else f for f in _COMPILE]
+    compile_flags = [f"-march={march}" if f == "-march=native" else f for f in _COMPILE] + [f"-D{d}" for d in defines]
     key = hashlib.sha256(source + version.encode() + _cpu_flags().encode()
                          + " ".join(compile_flags + _LINK).encode())
     cache = kernel_cache_dir()
@@ -190,12 +190,13 @@ def load(name: str = "decode_attention", *, required: bool = False) -> ctypes.CD
         return lib
 
 
-def load_variant(name: str, march: str) -> ctypes.CDLL:
-    """Kernel ``name`` built for ``-march=<march>`` (not cached in-process, not used by the engine): a test or
-    bench compares the code paths of two instruction sets on one CPU (x86-64-v3: AVX2 + FMA; this CPU must run
-    them). Raises NativeKernelError when it cannot be built."""
+def load_variant(name: str, march: str = "native", defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """Kernel ``name`` built for ``-march=<march>`` with the macros ``defines`` (not cached in-process, not used
+    by the engine): a test or bench compares the code paths of two instruction sets on one CPU (x86-64-v3: AVX2
+    + FMA; this CPU must run them), or a kernel's fallback (decode_attention with
+    ``TANDEM_PORTABLE_ATTENTION``: the portable loop). Raises NativeKernelError when it cannot be built."""
     try:
-        lib = ctypes.CDLL(str(_build(name, march)))
+        lib = ctypes.CDLL(str(_build(name, march, defines)))
     except OSError as e:
         raise NativeKernelError(str(e)) from e
     _bind(name, lib)

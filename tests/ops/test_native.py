@@ -29,21 +29,24 @@ def _view(cache, s, length):  # the strided view of slots 1 .. s the torch path 
     return cache[1 : s + 1, :, :length]
 
 
-_BUILDS = {"native": None, "x86-64-v3": 256, "x86-64": 0}  # -march= and the pair kernel's vector bits
+# a build: (-march=, macros, the pair kernel's vector bits it must report; None: this CPU's)
+_BUILDS = {"native": ("native", (), None), "x86-64-v3": ("x86-64-v3", (), 256),
+           "portable": ("native", ("TANDEM_PORTABLE_ATTENTION",), 0)}
 
 
 @pytest.fixture(params=list(_BUILDS))
 def lib(request):
-    """The kernel of this CPU, and (on x86) its AVX2 build and its portable build: each code path of
-    csrc/decode_attention.c runs on any x86 CPU that CI lands on (AVX-512: pair16; AVX2: pair8; neither: the
-    portable loop)."""
+    """The kernel of this CPU, its AVX2 build (on x86) and its portable loop: each code path of
+    csrc/decode_attention.c runs on whichever CPU CI lands on (AVX-512: pair16; AVX2: pair8; the loop of
+    CPUs with neither)."""
     if request.param == "native":
         return native.load()
+    march, defines, bits = _BUILDS[request.param]
     try:
-        built = native.load_variant("decode_attention", request.param)
+        built = native.load_variant("decode_attention", march, defines)
     except native.NativeKernelError as e:
         pytest.skip(f"no {request.param} build here: {e}")
-    assert built.tandem_decode_attention_vector_bits() == _BUILDS[request.param]
+    assert built.tandem_decode_attention_vector_bits() == bits
     return built
 
 

@@ -35,7 +35,16 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(TANDEM_PORTABLE_ATTENTION) /* a test or bench's build of the portable loop alone (native.load_variant) */
+#define TANDEM_PAIR_SIMD 0
+#elif defined(__AVX512F__)
+#define TANDEM_PAIR_SIMD 512
+#elif defined(__AVX2__) && defined(__FMA__)
+#define TANDEM_PAIR_SIMD 256
+#else
+#define TANDEM_PAIR_SIMD 0
+#endif
+#if TANDEM_PAIR_SIMD
 #include <immintrin.h>
 #endif
 
@@ -53,7 +62,7 @@ static inline float bf16_to_f32(uint16_t x) {
 
 #define AS_FLOAT(x) (x)
 
-#ifdef __AVX512F__
+#if TANDEM_PAIR_SIMD == 512
 /* reduce16(v): lane l = the sum of the 16 lanes of v[SIGMA[l]] (SIGMA is its own inverse: key j's partial
  * sums go in at v[SIGMA[j]] and its score comes out in lane j) */
 static const int SIGMA[16] = {0, 2, 1, 3, 8, 10, 9, 11, 4, 6, 5, 7, 12, 14, 13, 15};
@@ -180,7 +189,7 @@ PAIR16(pair16_bf16, uint16_t, load16_bf16)
 #define FAST_PAIR(D) ((D) % 16 == 0)
 #define PAIR_F32 pair16_f32
 #define PAIR_BF16 pair16_bf16
-#elif defined(__AVX2__) && defined(__FMA__)
+#elif TANDEM_PAIR_SIMD == 256
 #include "decode_attention_avx2.h"
 #else
 #define FAST_PAIR(D) 0
@@ -267,15 +276,7 @@ PAIR16(pair16_bf16, uint16_t, load16_bf16)
     }
 
 /* the vector width of the pair kernel this build runs: 512 (pair16), 256 (pair8, AVX2), 0 (the portable loop) */
-int tandem_decode_attention_vector_bits(void) {
-#if defined(__AVX512F__)
-    return 512;
-#elif defined(__AVX2__) && defined(__FMA__)
-    return 256;
-#else
-    return 0;
-#endif
-}
+int tandem_decode_attention_vector_bits(void) { return TANDEM_PAIR_SIMD; }
 
 DECODE_ATTENTION(tandem_decode_attention_f32, float, AS_FLOAT, PAIR_F32)
 DECODE_ATTENTION(tandem_decode_attention_bf16, uint16_t, bf16_to_f32, PAIR_BF16)
