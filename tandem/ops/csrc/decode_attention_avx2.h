@@ -8,9 +8,15 @@
  * values accumulated in registers over blocks of 32 value rows, 64 columns at a time (8 accumulators: a
  * 128-wide head does not fit the 16 ymm registers in one pass, and the block is in L1 for the second).
  *
- * Without it, an AVX2 build ran the portable loop, which reduces every (key, row) dot product horizontally:
- * 9-10 GB/s of keys and values at 150-2,000 keys, where a sum over memory reaches ~22 GB/s on the AVX2 EPYC
- * these numbers come from (docs/benchmarks.md, "Decode attention on AVX2").
+ * Without it, an AVX2 build ran the portable loop, which reduces every (key, row) dot product horizontally.
+ * On an AVX2 EPYC (docs/benchmarks.md, "Decode attention on AVX2"): 64 sequences x 30 layers from memory,
+ * 1.3-1.5x the loop's speed in float32 and 1.5-2x in bfloat16; inside the engine (32 sequences x 400 tokens)
+ * attention 45 -> 33 ms a step. It reads keys and values at 11-15 GB/s where torch's sum over the same
+ * tensors reaches ~20: per thread, computing and reading do not overlap well. Tried and not kept: software
+ * prefetch of the keys and values 16-128 keys ahead, or of a block's values while its keys are scored (within
+ * +-10%, noise on this VM). Two code-generation traps, both measured: GCC hoists a block's key vectors out of
+ * the query-row loop and spills them (hence the empty asm below; ~1.4x slower without it), and AMD runs masked stores
+ * (vmaskmovps) slowly, so only a last partial block of keys takes them.
  *
  * Defines FAST_PAIR, PAIR_DISPATCH, PAIR_F32 and PAIR_BF16 for decode_attention.c's driver.
  */
@@ -88,7 +94,7 @@ static inline __m256 load8_bf16(const uint16_t *p) {
                 const float *qg = qq + g * D;                                                              \
                 const T *kb = kk + j0 * k_l;                                                               \
                 /* opaque to the compiler: it would otherwise hoist the block's 8 x C key vectors out of   \
-                   the row loop, spill them to the stack and read them back (measured 1.5x slower) */      \
+                   the row loop, spill them to the stack and read them back (measured ~1.4x slower) */      \
                 __asm__("" : "+r"(kb));                                                                    \
                 const T *kr[8];                                                                            \
                 for (int64_t jj = 0; jj < 8; ++jj) kr[jj] = kb + off[jj];                                  \
