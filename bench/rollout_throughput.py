@@ -337,8 +337,6 @@ def kernel_ab(option: str, spec: str, dtype: str, threads: int, repeats: int) ->
                 spent["s"], steps0 = 0.0, engine.health()["steps"]
                 wall = run_tandem(engine, prompts, new)
                 rows[mode].append((wall, spent["s"] / (engine.health()["steps"] - steps0)))
-        if own is not None:
-            engines["native"]._native_attention = own
     finally:
         for (owner, attr), original in zip(targets, originals, strict=True):
             setattr(owner, attr, original)

@@ -179,18 +179,24 @@ static inline __m512 load16_bf16(const uint16_t *p) {
 PAIR16(pair16_f32, float, load16_f32)
 PAIR16(pair16_bf16, uint16_t, load16_bf16)
 
-/* the pair with C a constant for the common head dimensions */
-#define PAIR_DISPATCH(FN, q, k, v, k_l, v_l, n, G, D, scale, p, o)                                        \
-    do {                                                                                                   \
-        if ((D) == 64) FN(q, k, v, k_l, v_l, n, G, 4, scale, p, o);                                        \
-        else if ((D) == 128) FN(q, k, v, k_l, v_l, n, G, 8, scale, p, o);                                  \
-        else FN(q, k, v, k_l, v_l, n, G, (D) / 16, scale, p, o);                                           \
-    } while (0)
-#define FAST_PAIR(D) ((D) % 16 == 0)
 #define PAIR_F32 pair16_f32
 #define PAIR_BF16 pair16_bf16
 #elif TANDEM_PAIR_SIMD == 256
-#include "decode_attention_avx2.h"
+#include "decode_attention_avx2.h" /* pair8_f32, pair8_bf16 */
+#define PAIR_F32 pair8_f32
+#define PAIR_BF16 pair8_bf16
+#endif
+
+#if TANDEM_PAIR_SIMD
+#define PAIR_LANES (TANDEM_PAIR_SIMD / 32) /* floats a vector: 16 or 8 */
+/* the pair with C = D / PAIR_LANES a constant for the common head dimensions */
+#define PAIR_DISPATCH(FN, q, k, v, k_l, v_l, n, G, D, scale, p, o)                                        \
+    do {                                                                                                   \
+        if ((D) == 64) FN(q, k, v, k_l, v_l, n, G, 64 / PAIR_LANES, scale, p, o);                          \
+        else if ((D) == 128) FN(q, k, v, k_l, v_l, n, G, 128 / PAIR_LANES, scale, p, o);                   \
+        else FN(q, k, v, k_l, v_l, n, G, (D) / PAIR_LANES, scale, p, o);                                   \
+    } while (0)
+#define FAST_PAIR(D) ((D) % PAIR_LANES == 0)
 #else
 #define FAST_PAIR(D) 0
 #define PAIR_DISPATCH(FN, q, k, v, k_l, v_l, n, G, D, scale, p, o) do { } while (0)

@@ -18,7 +18,7 @@
  * the query-row loop and spills them (hence the empty asm below; ~1.4x slower without it), and AMD runs masked stores
  * (vmaskmovps) slowly, so only a last partial block of keys takes them.
  *
- * Defines FAST_PAIR, PAIR_DISPATCH, PAIR_F32 and PAIR_BF16 for decode_attention.c's driver.
+ * Defines pair8_f32 and pair8_bf16 for decode_attention.c's driver (which dispatches on the head dimension).
  */
 #ifndef TANDEM_DECODE_ATTENTION_AVX2_H
 #define TANDEM_DECODE_ATTENTION_AVX2_H
@@ -87,7 +87,6 @@ static inline __m256 load8_bf16(const uint16_t *p) {
         for (int64_t g = 0; g < G; ++g) mv[g] = _mm256_set1_ps(-FLT_MAX);                                  \
         for (int64_t j0 = 0; j0 < n; j0 += 8) { /* a block of 8 keys, read once, scored for every row */   \
             const int64_t jb = n - j0 < 8 ? n - j0 : 8;                                                    \
-            const __m256i mk = lanes_below(jb);                                                            \
             int64_t off[8]; /* the block's key rows; past the limit, the last one again (its score masked) */ \
             for (int64_t jj = 0; jj < 8; ++jj) off[jj] = (jj < jb ? jj : jb - 1) * k_l;                    \
             for (int64_t g = 0; g < G; ++g) {                                                              \
@@ -110,6 +109,7 @@ static inline __m256 load8_bf16(const uint16_t *p) {
                     _mm256_storeu_ps(p + g * n + j0, s);                                                   \
                     mv[g] = _mm256_max_ps(mv[g], s);                                                       \
                 } else {                                                                                   \
+                    const __m256i mk = lanes_below(jb);                                                    \
                     _mm256_maskstore_ps(p + g * n + j0, mk, s);                                            \
                     mv[g] = _mm256_max_ps(mv[g], _mm256_blendv_ps(_mm256_set1_ps(-FLT_MAX), s,             \
                                                                   _mm256_castsi256_ps(mk)));               \
@@ -178,16 +178,5 @@ static inline __m256 load8_bf16(const uint16_t *p) {
 
 PAIR8(pair8_f32, float, load8_f32)
 PAIR8(pair8_bf16, uint16_t, load8_bf16)
-
-/* the pair with C a constant for the common head dimensions */
-#define PAIR_DISPATCH(FN, q, k, v, k_l, v_l, n, G, D, scale, p, o)                                        \
-    do {                                                                                                   \
-        if ((D) == 64) FN(q, k, v, k_l, v_l, n, G, 8, scale, p, o);                                        \
-        else if ((D) == 128) FN(q, k, v, k_l, v_l, n, G, 16, scale, p, o);                                 \
-        else FN(q, k, v, k_l, v_l, n, G, (D) / 8, scale, p, o);                                            \
-    } while (0)
-#define FAST_PAIR(D) ((D) % 8 == 0)
-#define PAIR_F32 pair8_f32
-#define PAIR_BF16 pair8_bf16
 
 #endif
