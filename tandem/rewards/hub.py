@@ -36,7 +36,6 @@ whose steps are all skipped). A reward that raises ``TimeoutError`` itself has r
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import concurrent.futures as cf
 import inspect
@@ -53,6 +52,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from tandem.core.aio import run_blocking
 from tandem.core.sample import Sample, SampleStatus
 from tandem.plugins import PluginError, check_arity, load_callable
 from tandem.rewards.builtin import BUILTINS
@@ -150,7 +150,7 @@ def _call_sync(fn, arg):
         async def _await():
             return await out
 
-        return asyncio.run(_await())
+        return run_blocking(_await())
     return out
 
 

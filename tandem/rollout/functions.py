@@ -37,6 +37,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tandem.core.aio import run_blocking
 from tandem.core.protocols import InferenceEngine
 from tandem.core.sample import Sample
 from tandem.plugins import PluginError, Registry
@@ -113,7 +114,7 @@ class GenerateFunction:
             samples = self._call_batch(ctx, records, step=step, seed=seed, first_group=first_group)
             self._check(samples, set(range(first_group, first_group + len(records))))
             return samples
-        samples = asyncio.run(self._step(ctx, records, step=step, seed=seed, first_group=first_group))
+        samples = run_blocking(self._step(ctx, records, step=step, seed=seed, first_group=first_group))
         for i, s in enumerate(samples):
             s.index = i
         return samples

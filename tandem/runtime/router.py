@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from tandem.core.aio import run_blocking
 from tandem.core.protocols import (
     EngineAsleepError,
     EngineClosedError,
@@ -139,9 +140,9 @@ class Router:
         try:
             asyncio.get_running_loop()
         except RuntimeError:
-            return asyncio.run(run_all())
+            return run_blocking(run_all())
         with concurrent.futures.ThreadPoolExecutor(1) as pool:  # called from a loop: run beside it
-            return pool.submit(asyncio.run, run_all()).result()
+            return pool.submit(run_blocking, run_all()).result()
 
     async def agenerate(self, request: GenerationRequest) -> GenerationResult:
         """Generate on the least loaded eligible replica; re-queue it if that replica fails.
