@@ -7,8 +7,9 @@ logs "Task exception was never retrieved" with a traceback when the task is coll
 SIGTERM in the middle of a rollout printed such a traceback on stderr although it stopped correctly.
 
 `run_blocking` runs the loop as ``asyncio.run`` does (a fresh loop; async generators closed at the end), and
-when the run ends with an exception it cancels the tasks still pending, waits for them, and retrieves the
-exception of every task it saw, before it re-raises.
+when the run ends with a ``KeyboardInterrupt`` or ``SystemExit`` it cancels the tasks still pending, waits for
+them, and retrieves the exception of every task it saw, before it re-raises. An ``Exception`` ends the run as
+under ``asyncio.run`` (it reaches the step's task through the gather, which the caller's result retrieves).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def run_blocking(coro: Coroutine[Any, Any, T]) -> T:
         main = loop.create_task(coro)
         try:
             return loop.run_until_complete(main)
-        except BaseException:
+        except (KeyboardInterrupt, SystemExit):  # the two a task re-raises out of the loop (asyncio.Task)
             _settle(loop, main)
             raise
 
