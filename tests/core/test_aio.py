@@ -94,6 +94,7 @@ def test_sigterm_during_a_rollout_phase_stops_cleanly(caplog):
     async def step():
         await asyncio.gather(*(group(i) for i in range(3)))
 
+    signame = None  # set by the Preempted the run must end with
     with StopSignals(phase=lambda: "rollout") as stops:
         assert stops.installed
         try:
