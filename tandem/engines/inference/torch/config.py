@@ -68,6 +68,12 @@ class TorchEngineConfig:
     # and the plain one is rebuilt (exactly: packing is a permutation) only where something needs it (a
     # merged LoRA fold, `named_weights`); the embedding and the vocabulary projection always stay plain.
     keep_plain_weights: bool = False
+    # with pack_weights: also pack a vocabulary projection that is tied to the input embedding. The embedding
+    # lookup keeps the plain tensor anyway, so the packed copy is a second copy of the whole vocabulary
+    # (108 MiB for SmolLM2-135M in float32) while the engine is awake. False: the projection runs oneDNN's
+    # product on the plain tensor (the 64-sequence float32 rollout 3-4% slower on an AVX2 EPYC; docs/inference.md,
+    # "The tied vocabulary projection"). The QLoRA recipe turns it off (memory first); untied heads are packed.
+    pack_tied_head: bool = True
     # sleep() also drops those packed-only weights' packed copies (all but one per shape), so a colocated
     # trainer's step has their memory (~400 MB for SmolLM2-135M in float32); the next update_weights must
     # rewrite every one of them, and wake_up refuses until it has, naming them. For a colocated full-weight

@@ -187,12 +187,24 @@ class WeightMethods:
         if self.config.pack_weights and self.cache.device.type == "cpu":
             merge = self._policy_to_merge()  # its weights are packed once, merged, by _fold_policy
             skip = frozenset(id(self.adapters.linears[m].weight) for m in merge.modules) if merge else frozenset()
+            skip |= self._unpacked_head()
             self._packed.update(pack_weights(self.model, skip=skip))  # packed-only weights kept theirs
             for key in [k for k in self._asleep if k not in skip and k not in self._packed]:
                 pack_into(self._packed, self._asleep[key][1], self._held_value(key))  # held quantized: one at a time
             self.adapters.merged = None
             self._fold_policy(packing=True)
             self._drop_plain()
+
+    def _unpacked_head(self) -> frozenset[int]:
+        """``{id}`` of the vocabulary projection's weight when it is the input embedding's tensor and
+        ``pack_tied_head`` is off (it then stays plain only: the lookup needs that copy anyway), else empty."""
+        if self.config.pack_tied_head:
+            return frozenset()
+        head = getattr(self.model, "lm_head", None)
+        embed = getattr(getattr(self.model, "model", None), "embed_tokens", None)
+        if head is None or embed is None or head.weight is not embed.weight:
+            return frozenset()
+        return frozenset({id(head.weight)})
 
     def _drop_plain(self) -> None:
         """Free the plain copy of every packed linear weight of the decoder layers (`drop_plain`) unless
