@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CAN_PACK", "ONEDNN_BF16", "PackedOnlyWeight", "PackedWeights", "copy_and_repack", "drop_plain", "fast_linear",
+__all__ = ["CAN_PACK", "ONEDNN_BF16", "PackedOnlyWeight", "PackedWeights", "check_in_place", "copy_and_repack", "drop_plain", "fast_linear",
            "fast_linear_mode", "fast_linear_scope", "install_fast_linears", "linear", "ScopedLinear", "pack_into",
            "pack_weight", "pack_weights", "packed_like", "packs_in_place", "repack", "restore_plain",
            "uses_onednn"]
@@ -312,10 +312,11 @@ def pack_weights(module: torch.nn.Module, batch_hint: int = 32, *,
     packed: dict[int, torch.Tensor] = {}
     if not CAN_PACK:
         return packed
-    for m in module.modules():
-        if (isinstance(m, torch.nn.Linear) and id(m.weight) not in packed and id(m.weight) not in skip
-                and _packable(m.weight)):
-            packed[id(m.weight)] = _pack(m.weight, batch_hint)
+    weights = {id(m.weight): m.weight for m in module.modules()
+               if isinstance(m, torch.nn.Linear) and id(m.weight) not in skip and _packable(m.weight)}
+    check_in_place(weights.values(), batch_hint)  # before any packed copy exists: the check's peak is 2x a weight
+    for key, w in weights.items():
+        packed[key] = _pack(w, batch_hint)
     return packed
 
 
@@ -396,26 +397,65 @@ def _raw(packed: torch.Tensor) -> torch.Tensor:
 
 def _in_place_ok(lib, shape: tuple, dtype: torch.dtype, batch_hint: int) -> bool:
     """Whether writing ``csrc/pack.c``'s layout gives oneDNN's own bytes for this shape: checked once per
-    process on a pseudo-random weight (oneDNN picks its layout by shape, dtype and CPU)."""
+    process on a pseudo-random weight (oneDNN picks its layout by shape, dtype and CPU).
+
+    It holds the probe and oneDNN's packing of it (2x the weight), not a third full copy: csrc/pack.c keeps
+    each 64 rows in one contiguous stretch (``[n / 64][k][n % 64]``), so its bytes for the whole weight are
+    its bytes for each block of rows, end to end, and each block is compared where it lies in oneDNN's."""
     key = (shape, dtype, batch_hint)
     if key not in _IN_PLACE:
         from tandem.ops import native
 
         ok = False
         if shape[0] % 64 == 0 and (dtype == torch.float32 or shape[1] % 2 == 0):
-            numel = shape[0] * shape[1]  # a cheap pattern, distinct between neighbours in both dtypes
-            probe = torch.arange(numel, dtype=torch.int32).mul_(-1640531535).bitwise_right_shift_(12)
-            probe = probe.to(dtype).view(shape)
-            expected, got = _pack(probe, batch_hint), _pack(probe, batch_hint)
+            n, k = shape
+            probe = torch.empty(shape, dtype=dtype)
+            block = max(64, (4 << 20) // max(1, k * probe.element_size()) // 64 * 64)  # ~4 MiB of rows
+            for r in range(0, n, block):
+                probe[r:r + block] = _probe_rows(r, min(n, r + block), k, dtype)
+            expected = _pack(probe, batch_hint)
+            del probe
             try:
-                ptr, nbytes = _buffer(got)
-                ctypes.memset(ptr, 0, nbytes)  # the kernel must write every byte
-                native.pack_b64(lib, probe, ptr, nbytes)
-                ok = torch.equal(_raw(expected), _raw(got))
+                raw, row_bytes = _raw(expected), k * torch.empty((), dtype=dtype).element_size()
+                if raw.numel() != n * row_bytes:
+                    raise ValueError(f"oneDNN's packing holds {raw.numel()} bytes, the weight {n * row_bytes}")
+                got = torch.empty(min(block, n) * row_bytes, dtype=torch.uint8)
+                ok = True
+                for r in range(0, n, block):
+                    rows = min(block, n - r)
+                    part = got[:rows * row_bytes].zero_()  # the kernel must write every byte
+                    native.pack_b64(lib, _probe_rows(r, r + rows, k, dtype), part.data_ptr(), part.numel())
+                    if not torch.equal(raw[r * row_bytes:(r + rows) * row_bytes], part):
+                        ok = False
+                        break
             except (AttributeError, RuntimeError, ValueError) as e:  # no mkldnn.data_ptr, or sizes differ
+                ok = False
                 log.info("in-place packing unavailable for %s %s: %s", dtype, shape, e)
         _IN_PLACE[key] = ok
     return _IN_PLACE[key]
+
+
+def _probe_rows(start: int, stop: int, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``[start, stop)`` of `_in_place_ok`'s probe weight (``k`` columns): a cheap pattern, distinct
+    between neighbours in both dtypes, the same rows whichever block they are made in."""
+    flat = torch.arange(start * k, stop * k, dtype=torch.int32).mul_(-1640531535).bitwise_right_shift_(12)
+    return flat.to(dtype).view(stop - start, k)
+
+
+def check_in_place(weights, batch_hint: int = 32) -> None:
+    """Run `packs_in_place`'s once-per-shape check for each of ``weights`` now (cached): it holds twice the
+    largest weight for a moment, so a caller runs it before its packed copies and caches exist rather than
+    at the first sync or few-row product (`pack_weights` does)."""
+    if not CAN_PACK:
+        return
+    from tandem.ops import native
+
+    lib = native.load("pack")
+    if lib is None:
+        return
+    for w in weights:
+        if _packable(w):
+            _in_place_ok(lib, tuple(w.shape), w.dtype, batch_hint)
 
 
 def _packable(weight: torch.Tensor) -> bool:

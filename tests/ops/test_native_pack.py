@@ -127,3 +127,64 @@ def test_a_weight_sync_into_a_packing_engine_matches_an_engine_built_on_the_new_
     want = fresh.generate(requests(ps, max_new_tokens=8, temperature=1.0, seed=5))
     assert [(c.token_ids, c.log_probs) for r in got for c in r.completions] == [
         (c.token_ids, c.log_probs) for r in want for c in r.completions]
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_kernel_writes_each_64_rows_in_one_stretch(dtype):
+    """The premise of the layout check's blocks (`_in_place_ok`): csrc/pack.c's bytes for a weight are its bytes
+    for each block of 64-multiple rows, end to end."""
+    lib = native.load("pack")
+    w = torch.randn(320, 96, generator=torch.Generator().manual_seed(3)).to(dtype)
+    whole = torch.zeros(w.numel() * w.element_size(), dtype=torch.uint8)
+    native.pack_b64(lib, w, whole.data_ptr(), whole.numel())
+    parts = []
+    for rows in (w[:64], w[64:192], w[192:]):
+        part = torch.zeros(rows.numel() * rows.element_size(), dtype=torch.uint8)
+        native.pack_b64(lib, rows.contiguous(), part.data_ptr(), part.numel())
+        parts.append(part)
+    assert torch.equal(torch.cat(parts), whole)
+
+
+@needs_native
+@pytest.mark.parametrize("where", [0, -1])
+def test_the_layout_check_finds_a_difference_in_any_block(monkeypatch, where):
+    """A weight of several ~4 MiB blocks: one byte of oneDNN's packing that differs, in the first block or
+    the last, makes the check say no (and so the weight is re-packed by oneDNN's reorder, never written)."""
+    shape = (4096, 576)  # 9 MiB in float32: three blocks
+    real = linear._pack
+
+    def corrupted(weight, batch_hint):
+        packed = real(weight, batch_hint)
+        raw = linear._raw(packed)
+        raw[where] ^= 1
+        return packed
+
+    monkeypatch.setattr(linear, "_IN_PLACE", {})
+    assert linear._in_place_ok(native.load("pack"), shape, torch.float32, 32)  # the real layout: in place here
+    monkeypatch.setattr(linear, "_IN_PLACE", {})
+    monkeypatch.setattr(linear, "_pack", corrupted)
+    assert not linear._in_place_ok(native.load("pack"), shape, torch.float32, 32)
+
+
+@needs_native
+def test_pack_weights_checks_the_layout_before_it_packs(monkeypatch):
+    """`pack_weights` runs each shape's layout check before making any packed copy, so the check's moment of
+    twice a weight's memory does not come on top of the copies (nor, later, of a rollout's caches)."""
+    net = torch.nn.Sequential(torch.nn.Linear(96, 128), torch.nn.Linear(128, 256), torch.nn.Linear(256, 128))
+    order = []
+    real_pack, real_check = linear._pack, linear._in_place_ok
+    monkeypatch.setattr(linear, "_IN_PLACE", {})
+    def pack(w, hint):  # a parameter: a packed copy (the check packs a probe tensor of its own)
+        if isinstance(w, torch.nn.Parameter):
+            order.append(("pack", tuple(w.shape)))
+        return real_pack(w, hint)
+
+    monkeypatch.setattr(linear, "_pack", pack)
+    monkeypatch.setattr(linear, "_in_place_ok", lambda lib, shape, dtype, hint: order.append(("check", shape))
+                        or real_check(lib, shape, dtype, hint))
+    packed = linear.pack_weights(net)
+    assert len(packed) == 3
+    first_copy = next(i for i, (what, _) in enumerate(order) if what == "pack")
+    checks = {shape for what, shape in order[:first_copy] if what == "check"}
+    assert checks == {(128, 96), (256, 128), (128, 256)}
