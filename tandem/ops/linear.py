@@ -410,13 +410,14 @@ def _in_place_ok(lib, shape: tuple, dtype: torch.dtype, batch_hint: int) -> bool
         if shape[0] % 64 == 0 and (dtype == torch.float32 or shape[1] % 2 == 0):
             n, k = shape
             probe = torch.empty(shape, dtype=dtype)
-            block = max(64, (4 << 20) // max(1, k * probe.element_size()) // 64 * 64)  # ~4 MiB of rows
+            row_bytes = k * dtype.itemsize
+            block = max(64, (4 << 20) // max(1, row_bytes) // 64 * 64)  # ~4 MiB of rows
             for r in range(0, n, block):
                 probe[r:r + block] = _probe_rows(r, min(n, r + block), k, dtype)
             expected = _pack(probe, batch_hint)
             del probe
             try:
-                raw, row_bytes = _raw(expected), k * torch.empty((), dtype=dtype).element_size()
+                raw = _raw(expected)
                 if raw.numel() != n * row_bytes:
                     raise ValueError(f"oneDNN's packing holds {raw.numel()} bytes, the weight {n * row_bytes}")
                 got = torch.empty(min(block, n) * row_bytes, dtype=torch.uint8)
@@ -446,16 +447,8 @@ def check_in_place(weights, batch_hint: int = 32) -> None:
     """Run `packs_in_place`'s once-per-shape check for each of ``weights`` now (cached): it holds twice the
     largest weight for a moment, so a caller runs it before its packed copies and caches exist rather than
     at the first sync or few-row product (`pack_weights` does)."""
-    if not CAN_PACK:
-        return
-    from tandem.ops import native
-
-    lib = native.load("pack")
-    if lib is None:
-        return
     for w in weights:
-        if _packable(w):
-            _in_place_ok(lib, tuple(w.shape), w.dtype, batch_hint)
+        packs_in_place(w, batch_hint)
 
 
 def _packable(weight: torch.Tensor) -> bool:

@@ -175,6 +175,7 @@ def test_pack_weights_checks_the_layout_before_it_packs(monkeypatch):
     order = []
     real_pack, real_check = linear._pack, linear._in_place_ok
     monkeypatch.setattr(linear, "_IN_PLACE", {})
+
     def pack(w, hint):  # a parameter: a packed copy (the check packs a probe tensor of its own)
         if isinstance(w, torch.nn.Parameter):
             order.append(("pack", tuple(w.shape)))
