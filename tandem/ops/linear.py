@@ -407,11 +407,11 @@ def _in_place_ok(lib, shape: tuple, dtype: torch.dtype, batch_hint: int) -> bool
         from tandem.ops import native
 
         ok = False
-        if shape[0] % 64 == 0 and (dtype == torch.float32 or shape[1] % 2 == 0):
-            n, k = shape
+        n, k = shape
+        if n > 0 and k > 0 and n % 64 == 0 and (dtype == torch.float32 or k % 2 == 0):
             probe = torch.empty(shape, dtype=dtype)
             row_bytes = k * dtype.itemsize
-            block = max(64, (4 << 20) // max(1, row_bytes) // 64 * 64)  # ~4 MiB of rows
+            block = max(64, (4 << 20) // row_bytes // 64 * 64)  # ~4 MiB of rows
             for r in range(0, n, block):
                 probe[r:r + block] = _probe_rows(r, min(n, r + block), k, dtype)
             expected = _pack(probe, batch_hint)

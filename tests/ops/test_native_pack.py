@@ -189,3 +189,9 @@ def test_pack_weights_checks_the_layout_before_it_packs(monkeypatch):
     first_copy = next(i for i, (what, _) in enumerate(order) if what == "pack")
     checks = {shape for what, shape in order[:first_copy] if what == "check"}
     assert checks == {(128, 96), (256, 128), (128, 256)}
+
+
+@needs_native
+@pytest.mark.parametrize("shape", [(0, 16), (64, 0)])
+def test_an_empty_weight_is_never_written_in_place(shape):
+    assert not linear._in_place_ok(native.load("pack"), shape, torch.float32, 32)
