@@ -66,7 +66,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["CAN_PACK", "ONEDNN_BF16", "PackedOnlyWeight", "PackedWeights", "check_in_place", "copy_and_repack", "drop_plain", "fast_linear",
+__all__ = ["CAN_PACK", "ONEDNN_BF16", "PackedOnlyWeight", "PackedWeights", "copy_and_repack", "drop_plain", "fast_linear",
            "fast_linear_mode", "fast_linear_scope", "install_fast_linears", "linear", "ScopedLinear", "pack_into",
            "pack_weight", "pack_weights", "packed_like", "packs_in_place", "repack", "restore_plain",
            "uses_onednn"]
@@ -314,7 +314,8 @@ def pack_weights(module: torch.nn.Module, batch_hint: int = 32, *,
         return packed
     weights = {id(m.weight): m.weight for m in module.modules()
                if isinstance(m, torch.nn.Linear) and id(m.weight) not in skip and _packable(m.weight)}
-    check_in_place(weights.values(), batch_hint)  # before any packed copy exists: the check's peak is 2x a weight
+    for w in weights.values():  # each shape's layout check (cached) before any packed copy exists: it holds 2x a
+        packs_in_place(w, batch_hint)  # weight for a moment, better here than in a rollout's caches or a sync
     for key, w in weights.items():
         packed[key] = _pack(w, batch_hint)
     return packed
@@ -441,14 +442,6 @@ def _probe_rows(start: int, stop: int, k: int, dtype: torch.dtype) -> torch.Tens
     between neighbours in both dtypes, the same rows whichever block they are made in."""
     flat = torch.arange(start * k, stop * k, dtype=torch.int32).mul_(-1640531535).bitwise_right_shift_(12)
     return flat.to(dtype).view(stop - start, k)
-
-
-def check_in_place(weights, batch_hint: int = 32) -> None:
-    """Run `packs_in_place`'s once-per-shape check for each of ``weights`` now (cached): it holds twice the
-    largest weight for a moment, so a caller runs it before its packed copies and caches exist rather than
-    at the first sync or few-row product (`pack_weights` does)."""
-    for w in weights:
-        packs_in_place(w, batch_hint)
 
 
 def _packable(weight: torch.Tensor) -> bool:
