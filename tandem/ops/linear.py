@@ -185,6 +185,7 @@ SKINNY_MAX_ROWS = 64
 SKINNY_MAX_ROWS_256 = 16
 _SKINNY_WIDE = True  # whether the loaded kernel runs its 512-bit tile (set when it loads)
 _SKINNY: dict[tuple[int, int, torch.dtype], Callable | None] = {}  # (N, K, dtype) -> the kernel's product, or None
+_BLOCKS_OF_16: set[tuple[int, int, torch.dtype]] = set()  # (N, K, dtype) whose product is the 16-output blocks' tile
 
 
 def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -195,7 +196,8 @@ def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Te
             and packed_weight.shape[1] == k and (bias is None or bias.dtype == dtype)):  # else oneDNN's error
         n = packed_weight.shape[0]
         product = _skinny_for((n, k), dtype)
-        if product is not None and (_SKINNY_WIDE or x.numel() <= SKINNY_MAX_ROWS_256 * k):
+        if product is not None and (x.numel() <= SKINNY_MAX_ROWS_256 * k
+                                    or (_SKINNY_WIDE and (n, k, dtype) not in _BLOCKS_OF_16)):
             y = product(x.view(-1, k), _buffer(packed_weight)[0], n, None if bias is None else bias.contiguous())
             return y.view(*x.shape[:-1], n)
     return _onednn(x, packed_weight, bias)
@@ -214,9 +216,14 @@ def _skinny_product(shape: tuple[int, int], dtype: torch.dtype) -> Callable | No
         return None
     global _SKINNY_WIDE
     skinny, pack = native.load("skinny"), native.load("pack")
-    if skinny is None or pack is None or not _in_place_ok(pack, shape, dtype, 32):
+    if skinny is None or pack is None:
         return None
     _SKINNY_WIDE = skinny.tandem_skinny_vector_bits() >= 512
+    if not _in_place_ok(pack, shape, dtype, 32):
+        if not _packs_in_blocks_of_16(shape, dtype):
+            return None
+        _BLOCKS_OF_16.add((*shape, dtype))  # its tile takes at most SKINNY_MAX_ROWS_256 rows on every CPU
+        return functools.partial(native.skinny, skinny, block=16)
     try:  # a 64 x 2 probe: says whether this build has the dtype's kernel
         probe = _pack(torch.zeros(64, 2, dtype=dtype), 32)
         native.skinny(skinny, torch.zeros(1, 2, dtype=dtype), _buffer(probe)[0], 64, None)
@@ -224,6 +231,32 @@ def _skinny_product(shape: tuple[int, int], dtype: torch.dtype) -> Callable | No
         log.info("few-row products: oneDNN's for %s (%s)", dtype, e)
         return None
     return functools.partial(native.skinny, skinny)
+
+
+def _packs_in_blocks_of_16(shape: tuple[int, int], dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs a float32 weight of this shape as ``[N/16][K][16]`` (on an AVX2-only CPU it does so for
+    some shapes, such as 192 x 576, where most take blocks of 64): checked once per shape, by `_skinny_for`, on
+    `_in_place_ok`'s probe weight, 2x the weight at most (the probe and its packing; compared block by block)."""
+    n, k = shape
+    if dtype != torch.float32 or n <= 0 or k <= 0 or n % 16:
+        return False
+    probe = _probe_rows(0, n, k, dtype)
+    try:
+        packed_probe = _pack(probe, 32)
+        raw = _raw(packed_probe)  # a view of its memory: valid while packed_probe lives
+    except (AttributeError, RuntimeError) as e:
+        log.info("few-row products: no packed bytes for %s %s: %s", dtype, shape, e)
+        return False
+    if raw.numel() != n * k * 4:
+        return False
+    packed = raw.view(torch.float32)
+    rows = max(16, (4 << 20) // (k * 4) // 16 * 16)  # ~4 MiB at a time
+    for r in range(0, n, rows):
+        m = min(rows, n - r)
+        want = probe[r:r + m].view(m // 16, 16, k).transpose(1, 2).contiguous()
+        if not torch.equal(packed[r * k:(r + m) * k].view(m // 16, k, 16), want):
+            return False
+    return True
 
 
 def _skinny_for(shape: tuple[int, int], dtype: torch.dtype) -> Callable | None:

@@ -243,7 +243,7 @@ def _bind(name: str, lib: ctypes.CDLL) -> None:
         lib.tandem_pack_b64.restype = ctypes.c_int
         lib.tandem_pack_b64.argtypes = [ptr, ptr, ptr, i64, i64]
     elif name == "skinny":
-        for fn in (lib.tandem_skinny_f32, lib.tandem_skinny_bf16):
+        for fn in (lib.tandem_skinny_f32, lib.tandem_skinny16_f32, lib.tandem_skinny_bf16):
             fn.restype = ctypes.c_int
             fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr]
         lib.tandem_skinny_vector_bits.restype = ctypes.c_int
@@ -348,18 +348,27 @@ def pack_b64(lib: ctypes.CDLL, source: torch.Tensor, dst_ptr: int, dst_nbytes: i
         raise RuntimeError(f"native pack failed (code {rc})")
 
 
-def skinny(lib: ctypes.CDLL, x: torch.Tensor, packed_ptr: int, n: int, bias: torch.Tensor | None) -> torch.Tensor:
+def skinny(lib: ctypes.CDLL, x: torch.Tensor, packed_ptr: int, n: int, bias: torch.Tensor | None,
+           block: int = 64) -> torch.Tensor:
     """``x [M, K] . W[n, K]^T (+ bias)`` -> ``[M, n]`` in ``x``'s dtype (float32, or bfloat16 with AVX-512 BF16),
-    with W in oneDNN's packed layout of that dtype at ``packed_ptr`` (csrc/skinny.c; n a multiple of 64).
-    ``x`` contiguous and ``bias [n]`` of its dtype or None: the caller checks (tandem/ops/linear.py, a decode
-    step's hot path). ValueError where the kernel cannot take them (the message says why)."""
+    with W in oneDNN's packed layout of that dtype at ``packed_ptr`` (csrc/skinny.c): blocks of ``block`` outputs,
+    64 (n a multiple of 64) or, float32 only, 16 (``[n/16][K][16]``, n a multiple of 16). ``x`` contiguous and
+    ``bias [n]`` of its dtype or None: the caller checks (tandem/ops/linear.py, a decode step's hot path).
+    ValueError where the kernel cannot take them (the message says why)."""
     m, k = x.shape
+    if block == 16:
+        if x.dtype != torch.float32:
+            raise ValueError(f"skinny: blocks of 16 outputs are float32 only, not {x.dtype}")
+        fn = lib.tandem_skinny16_f32
+    elif block == 64:
+        fn = lib.tandem_skinny_f32 if x.dtype == torch.float32 else lib.tandem_skinny_bf16
+    else:
+        raise ValueError(f"skinny: block={block} must be 64 or 16")
     y = torch.empty(m, n, dtype=x.dtype)
-    fn = lib.tandem_skinny_f32 if x.dtype == torch.float32 else lib.tandem_skinny_bf16
     rc = fn(x.data_ptr(), m, k, packed_ptr, n, None if bias is None else bias.data_ptr(), y.data_ptr())
     if rc:
         raise ValueError(f"skinny: {(n, k)} {x.dtype}: " + ("built without AVX-512 BF16" if rc == -2 else
-                                                          "N must be a multiple of 64 (and K even for bfloat16)"))
+                                                          f"N must be a multiple of {block} (and K even for bfloat16)"))
     return y
 
 

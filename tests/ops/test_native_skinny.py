@@ -3,6 +3,8 @@
 (whatever the other rows and the thread count), and used only where it should be (not in the batch-invariant
 mode, not past `SKINNY_MAX_ROWS`, not for a shape oneDNN packs otherwise)."""
 
+import ctypes
+
 import pytest
 import torch
 
@@ -16,12 +18,25 @@ pytestmark = pytest.mark.skipif(LIB is None or not linear._skinny_ok((576, 576))
 
 
 def _weight(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight and its packed copy; skips where oneDNN packs this shape otherwise (on an AVX2-only CPU it packs
-    a 192-output weight in other blocks: the engine keeps oneDNN's product there, `_skinny_ok`)."""
+    """A weight and its packed copy; skips where oneDNN packs this shape in a layout the kernel does not read
+    (blocks of 64 outputs, or of 16 where oneDNN takes those: `_block`)."""
     if not linear._skinny_ok((n, k)):
         pytest.skip(f"oneDNN packs a float32 [{n}, {k}] weight in another layout on this CPU")
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
     return w, pack_weight(w)
+
+
+def _block(n: int, k: int) -> int:
+    """The output block of oneDNN's float32 layout for this shape here: 16 where it packs ``[N/16][K][16]`` (the
+    192-output weights on an AVX2-only CPU), else 64."""
+    linear._skinny_ok((n, k))
+    return 16 if (n, k, torch.float32) in linear._BLOCKS_OF_16 else 64
+
+
+def _blocked(w: torch.Tensor, block: int) -> torch.Tensor:
+    """``w [N, K]`` laid out as ``[N/block][K][block]`` (oneDNN's packed float32 layouts), made by torch."""
+    n, k = w.shape
+    return w.view(n // block, block, k).transpose(1, 2).contiguous()
 
 
 @pytest.mark.parametrize("n,k", [(192, 576), (320, 576), (1536, 576), (576, 1536), (64, 8),
@@ -31,7 +46,7 @@ def test_the_product_is_the_reference_within_rounding(n, k, rows):
     w, packed = _weight(n, k)
     bias = torch.randn(n) if rows % 2 else None
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    got = native.skinny(LIB, x, _buffer(packed)[0], n, bias)
+    got = native.skinny(LIB, x, _buffer(packed)[0], n, bias, block=_block(n, k))
     want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
     assert got.shape == (rows, n) and got.dtype == torch.float32
     assert (got.double() - want).abs().max() < 1e-5 * k ** 0.5
@@ -41,18 +56,68 @@ def test_the_product_is_the_reference_within_rounding(n, k, rows):
 def test_a_rows_bits_depend_on_that_row_alone(n):
     w, packed = _weight(n, 576)
     x = torch.randn(23, 576, generator=torch.Generator().manual_seed(1))
-    ptr = _buffer(packed)[0]
-    together = native.skinny(LIB, x, ptr, n, None)
+    ptr, block = _buffer(packed)[0], _block(n, 576)
+    together = native.skinny(LIB, x, ptr, n, None, block=block)
     for r in (0, 5, 6, 17, 22):  # first and last row of a tile, a short last tile
-        assert torch.equal(native.skinny(LIB, x[r : r + 1].contiguous(), ptr, n, None)[0], together[r])
-    assert torch.equal(native.skinny(LIB, x[4:11].contiguous(), ptr, n, None), together[4:11])
+        assert torch.equal(native.skinny(LIB, x[r : r + 1].contiguous(), ptr, n, None, block=block)[0], together[r])
+    assert torch.equal(native.skinny(LIB, x[4:11].contiguous(), ptr, n, None, block=block), together[4:11])
     threads = torch.get_num_threads()
     try:
         for t in (1, 3):
             torch.set_num_threads(t)
-            assert torch.equal(native.skinny(LIB, x, ptr, n, None), together)
+            assert torch.equal(native.skinny(LIB, x, ptr, n, None, block=block), together)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 16])
+@pytest.mark.parametrize("n,k", [(192, 576), (16, 40), (1536, 576)])
+def test_blocks_of_16_give_the_bits_of_blocks_of_64(n, k, rows):
+    """The tile for oneDNN's ``[N/16][K][16]`` layout sums each output over k in order with fused multiply-adds,
+    as the 64-output tiles do: on the same weight laid out each way (by torch, so on any CPU) the bits are equal,
+    and both are the reference within rounding. A row's bits are its own there too."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) * 0.05
+    bias = torch.randn(n) if rows % 2 else None
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+    b16 = _blocked(w, 16)
+    got = native.skinny(LIB, x, b16.data_ptr(), n, bias, block=16)
+    want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    assert (got.double() - want).abs().max() < 1e-5 * k ** 0.5
+    if n % 64 == 0:
+        b64 = _blocked(w, 64)
+        assert torch.equal(got, native.skinny(LIB, x, b64.data_ptr(), n, bias, block=64))
+    assert torch.equal(native.skinny(LIB, x[-1:].contiguous(), b16.data_ptr(), n, bias, block=16)[0], got[-1])
+
+
+def test_blocks_of_16_refuse_what_they_cannot_read():
+    x, w = torch.randn(2, 40), torch.randn(24, 40)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.skinny(LIB, x, w.data_ptr(), 24, None, block=16)
+    with pytest.raises(ValueError, match="float32 only"):
+        native.skinny(LIB, x.bfloat16(), w.data_ptr(), 16, None, block=16)
+    with pytest.raises(ValueError, match="64 or 16"):
+        native.skinny(LIB, x, w.data_ptr(), 32, None, block=32)
+
+
+@pytest.mark.parametrize("n,k", [(192, 576), (192, 1536), (576, 576)])
+def test_the_layout_check_says_what_onednn_wrote(n, k):
+    """`_packs_in_blocks_of_16` is yes exactly where oneDNN's packed bytes are the ``[N/16][K][16]`` layout (on an
+    AVX2-only EPYC: the 192-output weights; 576 outputs take blocks of 64). Where it says yes, `fast_linear`
+    runs the 16-output tile on oneDNN's own bytes for up to `SKINNY_MAX_ROWS_256` rows, on every CPU."""
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(7)) * 0.05
+    packed = pack_weight(w)
+    ptr, nbytes = _buffer(packed)
+    raw = torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(ptr), dtype=torch.float32)
+    assert linear._packs_in_blocks_of_16((n, k), torch.float32) == torch.equal(raw, _blocked(w, 16).view(-1))
+    assert not linear._packs_in_blocks_of_16((n, k), torch.bfloat16)
+    assert not linear._packs_in_blocks_of_16((n + 8, k), torch.float32)
+    if _block(n, k) != 16:
+        return
+    few, many = torch.randn(16, k), torch.randn(17, k)
+    got = fast_linear(few, w, packed={id(w): packed})
+    assert torch.equal(got, native.skinny(LIB, few, ptr, n, None, block=16))
+    assert (got.double() - few.double() @ w.double().t()).abs().max() < 1e-5 * k ** 0.5
+    assert torch.equal(fast_linear(many, w, packed={id(w): packed}), _onednn(many, packed, None))
 
 
 def _x86_64_v3_lib():

@@ -78,7 +78,10 @@ static inline void tile(const float *x, int64_t ldx, int rows, int64_t K, const 
  * two halves of 3 rows (the first AVX2 tile's stripes of 16 outputs, without the chunks below, read the block
  * 4 times from memory: 1.25-1.36x slower at 4-6 rows). The inputs go in chunks of KC columns (KC x 256 bytes
  * of the block: in L1), every stripe over a chunk before the next, the partial sums kept in y between chunks:
- * the block streams from memory once per tile. Each output is still one sum over k in order with the same fused multiply-adds (a
+ * the block streams from memory once per tile. The first stripe of a chunk reads half of each 256-byte row of
+ * it; it prefetches the other half as it goes, so the chunk comes from memory in address order (left to the
+ * hardware, every other pair of cache lines came late: the whole model's linear layers at 5 rows took 64 ms
+ * against 34 at 1 row, 47 with the prefetch; docs/benchmarks.md, session 16). Each output is still one sum over k in order with the same fused multiply-adds (a
  * float32 store and load are exact): the same bits as the 512-bit tile. */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
@@ -92,6 +95,10 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));
                 acc[m][j] = k0 ? *(const v8 *)(y + m * ldy + 8 * ((J0) + j)) : (v8){0};          \
         for (int64_t k = k0; k < k1; ++k) {                                                      \
             const float *wk = w + k * 64 + 8 * (J0);                                             \
+            if ((S) < 8 && (J0) == 0) { /* the half the second stripe reads: the block streams in order */ \
+                __builtin_prefetch(wk + 32);                                                     \
+                __builtin_prefetch(wk + 48);                                                     \
+            }                                                                                    \
             for (int m = 0; m < R; ++m) {                                                        \
                 const float s = x[m * ldx + k];                                                  \
                 for (int j = 0; j < S; ++j) acc[m][j] += s * *(const v8 *)(wk + 8 * j);          \
@@ -144,6 +151,59 @@ int tandem_skinny_f32(const float *x, int64_t M, int64_t K, const float *packed,
         const int64_t b = item / tiles, m0 = item % tiles * TILE_ROWS;
         const int rows = (int)(M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS);
         tile(x + m0 * K, K, rows, K, packed + b * K * 64, bias ? bias + b * 64 : 0, y + m0 * N + b * 64, N);
+    }
+    return 0;
+}
+
+/* oneDNN packs some shapes in blocks of 16 outputs instead, [N/16][K][16]: on the AVX2-only EPYC the 192-output
+ * key and value projections of SmolLM2 (576 and 1,536 outputs keep blocks of 64). Their products went to oneDNN,
+ * ~100 us each at 1 row for a 442 KB weight, 60 of a decode step's 211 products. This tile takes such a block
+ * with up to 6 rows: per input column the block's two 8-float vectors against each row's x[m][k], 12
+ * accumulators + 2 weight vectors + 1 broadcast in AVX2's 16 registers (built for AVX-512, the same code in its
+ * 256-bit registers). A block is one contiguous stream of K x 64 bytes, read in order. Each output is one sum
+ * over k in order with fused multiply-adds, as in the 64-output tiles: a row's result depends on that row alone,
+ * and equals what those tiles give for the same weight in their layout. */
+typedef float v8x __attribute__((vector_size(32), aligned(4)));
+
+static inline void tile16(const float *x, int64_t ldx, int rows, int64_t K, const float *w, const float *bias,
+                          float *y, int64_t ldy) {
+    v8x acc[TILE_ROWS][2];
+    for (int m = 0; m < TILE_ROWS; ++m) acc[m][0] = acc[m][1] = (v8x){0};
+#define BODY16(R)                                                                                 \
+    for (int64_t k = 0; k < K; ++k) {                                                            \
+        const v8x w0 = *(const v8x *)(w + k * 16), w1 = *(const v8x *)(w + k * 16 + 8);         \
+        for (int m = 0; m < R; ++m) {                                                            \
+            const float s = x[m * ldx + k];                                                      \
+            acc[m][0] += s * w0;                                                                 \
+            acc[m][1] += s * w1;                                                                 \
+        }                                                                                        \
+    }
+    switch (rows) {
+    case 1: BODY16(1) break;
+    case 2: BODY16(2) break;
+    case 3: BODY16(3) break;
+    case 4: BODY16(4) break;
+    case 5: BODY16(5) break;
+    default: BODY16(6) break;
+    }
+#undef BODY16
+    for (int m = 0; m < rows; ++m)
+        for (int j = 0; j < 2; ++j) {
+            v8x a = acc[m][j];
+            if (bias) a += *(const v8x *)(bias + 8 * j);
+            *(v8x *)(y + m * ldy + 8 * j) = a;
+        }
+}
+
+int tandem_skinny16_f32(const float *x, int64_t M, int64_t K, const float *packed, int64_t N, const float *bias,
+                        float *y) {
+    if (N % 16) return -1;
+    const int64_t tiles = (M + TILE_ROWS - 1) / TILE_ROWS;
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < N / 16 * tiles; ++item) {
+        const int64_t b = item / tiles, m0 = item % tiles * TILE_ROWS;
+        const int rows = (int)(M - m0 < TILE_ROWS ? M - m0 : TILE_ROWS);
+        tile16(x + m0 * K, K, rows, K, packed + b * K * 16, bias ? bias + b * 16 : 0, y + m0 * N + b * 16, N);
     }
     return 0;
 }
