@@ -210,3 +210,24 @@ def test_bfloat16_rows_are_the_reference_rounded_and_their_own(rows, n):
     assert ((got.double() - want).abs() <= want.abs() * 2**-8 + 1e-4).all()  # one bf16 rounding (+ fp32 sums)
     assert torch.equal(native.skinny(LIB, x[-1:].contiguous(), _buffer(packed)[0], n, bias)[0], got[-1])
     assert torch.equal(fast_linear(x, w, bias, packed={id(w): packed}), got)  # the engine's path takes it
+
+
+def test_the_kept_address_follows_the_packed_memory():
+    """`_packed_product` keeps a packed weight's address on the tensor (asking oneDNN costs ~3.5 us a product): an
+    in-place re-pack keeps it valid, and `swap_tensors` (which swaps ``__dict__`` too) never makes a product read the
+    other tensor's memory."""
+    w, packed = _weight(576, 576)
+    x = torch.randn(3, 576)
+    first = fast_linear(x, w, packed={id(w): packed})
+    assert linear._data_ptr(packed) == int(torch.ops.mkldnn.data_ptr(packed))
+    w2 = torch.randn(576, 576) * 0.05
+    table = {id(w): packed}
+    linear.pack_into(table, w, source=w2)  # in place where this CPU allows it, else a new packed tensor
+    assert torch.equal(fast_linear(x, w, packed=table), fast_linear(x, w2, packed={id(w2): pack_weight(w2)}))
+    assert not torch.equal(fast_linear(x, w, packed=table), first)
+    other = pack_weight(torch.randn(576, 576))
+    a, b = table[id(w)], other
+    want_a, want_b = int(torch.ops.mkldnn.data_ptr(a)), int(torch.ops.mkldnn.data_ptr(b))
+    linear._data_ptr(b)
+    torch.utils.swap_tensors(a, b)
+    assert linear._data_ptr(a) == want_b and linear._data_ptr(b) == want_a
