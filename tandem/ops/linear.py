@@ -245,16 +245,27 @@ def _skinny_product(shape: tuple[int, int], dtype: torch.dtype) -> Callable | No
     return functools.partial(native.skinny, skinny)
 
 
-def _packs_in_blocks_of_16(shape: tuple[int, int], dtype: torch.dtype) -> bool:
+_LAYOUT_16: dict[tuple, bool] = {}  # (shape, dtype, batch_hint) -> oneDNN lays the weight out as [N/16][K][16]
+
+
+def _packs_in_blocks_of_16(shape: tuple[int, int], dtype: torch.dtype, batch_hint: int = 32) -> bool:
     """Whether oneDNN packs a float32 weight of this shape as ``[N/16][K][16]`` (on an AVX2-only CPU it does so for
-    some shapes, such as 192 x 576, where most take blocks of 64): checked once per shape, by `_skinny_for`, on
-    `_in_place_ok`'s probe weight, 2x the weight at most (the probe and its packing; compared block by block)."""
+    some shapes, such as 192 x 576, where most take blocks of 64): checked once per process and shape on
+    `_in_place_ok`'s probe weight, 2x the weight at most (the probe and its packing; compared block by block).
+    Where it is, csrc/skinny.c's 16-output tile reads it and csrc/pack.c's ``tandem_pack_b16`` writes it."""
+    key = (tuple(shape), dtype, batch_hint)
+    if key not in _LAYOUT_16:
+        _LAYOUT_16[key] = _check_blocks_of_16(tuple(shape), dtype, batch_hint)
+    return _LAYOUT_16[key]
+
+
+def _check_blocks_of_16(shape: tuple[int, int], dtype: torch.dtype, batch_hint: int) -> bool:
     n, k = shape
     if dtype != torch.float32 or n <= 0 or k <= 0 or n % 16:
         return False
     probe = _probe_rows(0, n, k, dtype)
     try:
-        packed_probe = _pack(probe, 32)
+        packed_probe = _pack(probe, batch_hint)
         raw = _raw(packed_probe)  # a view of its memory: valid while packed_probe lives
     except (AttributeError, RuntimeError) as e:
         log.info("few-row products: no packed bytes for %s %s: %s", dtype, shape, e)
@@ -334,7 +345,7 @@ def packs_in_place(weight: torch.Tensor, batch_hint: int = 32) -> bool:
     from tandem.ops import native
 
     lib = native.load("pack")
-    return lib is not None and _in_place_ok(lib, tuple(weight.shape), weight.dtype, batch_hint)
+    return lib is not None and _in_place_block(lib, tuple(weight.shape), weight.dtype, batch_hint) != 0
 
 
 def drop_plain(weight: torch.nn.Parameter) -> None:
@@ -415,11 +426,20 @@ def _write_packed(current: torch.Tensor, src: torch.Tensor, plain: torch.Tensor 
     from tandem.ops import native  # lazily: only packing engines need it
 
     lib = native.load("pack")
-    if lib is None or not _in_place_ok(lib, tuple(src.shape), src.dtype, batch_hint):
+    block = 0 if lib is None else _in_place_block(lib, tuple(src.shape), src.dtype, batch_hint)
+    if not block:
         return False
     ptr, nbytes = _buffer(current)
-    native.pack_b64(lib, src, ptr, nbytes, plain)
+    native.pack_b64(lib, src, ptr, nbytes, plain, block=block)
     return True
+
+
+def _in_place_block(lib, shape: tuple, dtype: torch.dtype, batch_hint: int) -> int:
+    """The output block of oneDNN's layout for this shape where ``csrc/pack.c`` writes it: 64 (`_in_place_ok`),
+    16 (float32 weights oneDNN lays out as ``[N/16][K][16]``, `_packs_in_blocks_of_16`), else 0."""
+    if _in_place_ok(lib, shape, dtype, batch_hint):
+        return 64
+    return 16 if _packs_in_blocks_of_16(shape, dtype, batch_hint) else 0
 
 
 def _buffer(packed: torch.Tensor) -> tuple[int, int]:

@@ -240,8 +240,9 @@ def _bind(name: str, lib: ctypes.CDLL) -> None:
         lib.tandem_dequant_fp8_block.restype = None
         lib.tandem_dequant_fp8_block.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64, i64]
     elif name == "pack":
-        lib.tandem_pack_b64.restype = ctypes.c_int
-        lib.tandem_pack_b64.argtypes = [ptr, ptr, ptr, i64, i64]
+        for fn in (lib.tandem_pack_b64, lib.tandem_pack_b16):
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ptr, ptr, ptr, i64, i64]
     elif name == "skinny":
         for fn in (lib.tandem_skinny_f32, lib.tandem_skinny16_f32, lib.tandem_skinny_bf16):
             fn.restype = ctypes.c_int
@@ -321,20 +322,23 @@ def sample(lib: ctypes.CDLL, logits: torch.Tensor, temperatures: torch.Tensor,
 
 
 def pack_b64(lib: ctypes.CDLL, source: torch.Tensor, dst_ptr: int, dst_nbytes: int,
-             plain: torch.Tensor | None = None) -> None:
+             plain: torch.Tensor | None = None, block: int = 64) -> None:
     """Write ``source [N, K]`` (CPU, contiguous, float32 or bfloat16 with even K; N a multiple of 64) in
     oneDNN's packed inner-product layout (csrc/pack.c: 32-bit unit ``(n, k)`` to ``[n / 64][k][n % 64]``) into
     the ``dst_nbytes`` bytes at ``dst_ptr``, and, with ``plain``, copy it into ``plain`` (same shape and
-    dtype, contiguous) in the same pass. The memory at ``dst_ptr`` must be writable and not in use: the
-    caller owns it (tandem/ops/linear.py passes a packed tensor's own buffer)."""
+    dtype, contiguous) in the same pass. ``block=16``: oneDNN's other float32 layout, ``[n / 16][k][n % 16]``
+    (N a multiple of 16). The memory at ``dst_ptr`` must be writable and not in use: the caller owns it
+    (tandem/ops/linear.py passes a packed tensor's own buffer)."""
     if (source.device.type != "cpu" or source.dim() != 2 or not source.is_contiguous()
             or source.dtype not in (torch.float32, torch.bfloat16)):
         raise ValueError(f"pack_b64: source must be a contiguous CPU float32/bfloat16 [N, K] tensor, got "
                          f"{source.dtype} {tuple(source.shape)} on {source.device}")
+    if block not in (16, 64) or (block == 16 and source.dtype != torch.float32):
+        raise ValueError(f"pack_b64: block={block} for {source.dtype}: 64, or 16 for float32")
     n, k = source.shape
     units = k if source.dtype == torch.float32 else k // 2  # 32-bit units per row
-    if n % 64 or n == 0 or units == 0 or (source.dtype == torch.bfloat16 and k % 2):
-        raise ValueError(f"pack_b64: shape {(n, k)} in {source.dtype}: N must be a positive multiple of 64"
+    if n % block or n == 0 or units == 0 or (source.dtype == torch.bfloat16 and k % 2):
+        raise ValueError(f"pack_b64: shape {(n, k)} in {source.dtype}: N must be a positive multiple of {block}"
                          + (" and K even" if source.dtype == torch.bfloat16 else ""))
     if dst_nbytes != source.numel() * source.element_size():
         raise ValueError(f"pack_b64: destination holds {dst_nbytes} bytes, the weight {source.numel() * source.element_size()}")
@@ -343,7 +347,8 @@ def pack_b64(lib: ctypes.CDLL, source: torch.Tensor, dst_ptr: int, dst_nbytes: i
         raise ValueError(f"pack_b64: plain must be a contiguous CPU {source.dtype} tensor of shape {(n, k)}")
     if plain is not None and plain.data_ptr() == source.data_ptr():
         plain = None  # already holds the source
-    rc = lib.tandem_pack_b64(source.data_ptr(), None if plain is None else plain.data_ptr(), dst_ptr, n, units)
+    fn = lib.tandem_pack_b64 if block == 64 else lib.tandem_pack_b16
+    rc = fn(source.data_ptr(), None if plain is None else plain.data_ptr(), dst_ptr, n, units)
     if rc != 0:
         raise RuntimeError(f"native pack failed (code {rc})")
 

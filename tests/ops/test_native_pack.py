@@ -15,7 +15,8 @@ needs_native = pytest.mark.skipif(not CAN_PACK or native.load("pack") is None,
 SHAPES = [(64, 32), (128, 576), (192, 96), (1536, 576), (64, 512), (128, 2560), (64, 3008)]  # the last two: rows of
 # several 32-tile work items (3008: the last one partial)
 IN_PLACE_EVERYWHERE = {(1536, 576), (128, 576)}  # SmolLM2's MLP and a 128-row projection: in place on AVX-512 and AVX2
-# CPUs alike; oneDNN lays out others by CPU (fp32 192 x 96 on an AVX2-only EPYC), where the probe falls back
+# CPUs alike; oneDNN lays out others by CPU (fp32 192 x 96 in blocks of 16 outputs on an AVX2-only EPYC: written in
+# place too, `tandem_pack_b16`), where a layout neither writes falls back to oneDNN's reorder
 BF16 = pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     not ONEDNN_BF16, reason="oneDNN has no bfloat16 linears on this CPU (AVX2 only): bf16 weights are not packed"))
 DTYPES = [torch.float32, BF16]
@@ -34,7 +35,7 @@ def test_in_place_pack_writes_onednn_bytes_into_the_same_tensor(shape, dtype):
     before = packed[id(w)]
     w.copy_(new)
     repack(packed, [w])
-    in_place = linear._IN_PLACE[(shape, dtype, 32)]  # the probe's verdict for this CPU
+    in_place = linear._in_place_block(native.load("pack"), shape, dtype, 32) != 0  # the probes' verdict here
     assert in_place or shape not in IN_PLACE_EVERYWHERE or (dtype == torch.bfloat16 and AMX_BF16)
     assert (packed[id(w)] is before) == in_place  # written in place, not a new tensor (or a new reorder)
     assert torch.equal(linear._raw(packed[id(w)]), linear._raw(pack_weight(new)))
@@ -195,3 +196,33 @@ def test_pack_weights_checks_the_layout_before_it_packs(monkeypatch):
 @pytest.mark.parametrize("shape", [(0, 16), (64, 0)])
 def test_an_empty_weight_is_never_written_in_place(shape):
     assert not linear._in_place_ok(native.load("pack"), shape, torch.float32, 32)
+
+
+@needs_native
+@pytest.mark.parametrize("n,k", [(192, 576), (16, 40), (48, 17), (64, 3008)])
+def test_blocks_of_16_are_written_as_onednn_lays_them_out(n, k):
+    """``block=16`` writes ``[N/16][K][16]`` (the layout oneDNN gives some float32 shapes on AVX2-only CPUs), made
+    here by torch so that it runs on any CPU, with the plain copy in the same pass; where oneDNN does use that
+    layout for the shape, a repack writes it in place and oneDNN's products read it."""
+    lib = native.load("pack")
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen)
+    dst, plain = torch.empty(n * k), torch.empty(n, k)
+    native.pack_b64(lib, w, dst.data_ptr(), dst.numel() * 4, plain, block=16)
+    assert torch.equal(dst, w.view(n // 16, 16, k).transpose(1, 2).reshape(-1)) and torch.equal(plain, w)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.pack_b64(lib, torch.zeros(24, 8), dst.data_ptr(), 24 * 8 * 4, block=16)
+    with pytest.raises(ValueError, match="16 for float32"):
+        native.pack_b64(lib, torch.zeros(16, 8, dtype=torch.bfloat16), dst.data_ptr(), 16 * 8 * 2, block=16)
+    if not linear._packs_in_blocks_of_16((n, k), torch.float32):
+        return
+    assert linear.packs_in_place(w)
+    table = {id(w): pack_weight(w)}
+    before = table[id(w)]
+    new = torch.randn(n, k, generator=gen)
+    w.copy_(new)
+    repack(table, [w])
+    assert table[id(w)] is before
+    assert torch.equal(linear._raw(before), linear._raw(pack_weight(new)))
+    x = torch.randn(3, k, generator=gen)
+    assert torch.equal(linear._onednn(x, before, None), linear._onednn(x, pack_weight(new), None))

@@ -60,40 +60,40 @@ static inline void transpose16(const uint32_t *src, int64_t src_stride, uint32_t
 }
 #endif
 
-/* one tile: rows [a0, a0 + 16) of block nb, units [k0, k0 + width) */
+/* one tile: rows [a0, a0 + 16) of block nb (`block` rows a block), units [k0, k0 + width) */
 static inline void tile(const uint32_t *restrict src, uint32_t *restrict plain, uint32_t *restrict dst,
-                        int64_t k, int64_t nb, int64_t a0, int64_t k0, int64_t width, int stream_dst,
-                        int stream_plain) {
-    const uint32_t *s = src + (nb * BLOCK + a0) * k + k0;
-    uint32_t *d = dst + (nb * k + k0) * BLOCK + a0;
+                        int64_t k, int64_t block, int64_t nb, int64_t a0, int64_t k0, int64_t width,
+                        int stream_dst, int stream_plain) {
+    const uint32_t *s = src + (nb * block + a0) * k + k0;
+    uint32_t *d = dst + (nb * k + k0) * block + a0;
 #ifdef __AVX512F__
     if (width == TILE) {
-        transpose16(s, k, d, BLOCK, stream_dst);
+        transpose16(s, k, d, block, stream_dst);
         if (plain && stream_plain) {
             for (int64_t i = 0; i < TILE; ++i)
-                _mm512_stream_si512((void *)(plain + (nb * BLOCK + a0 + i) * k + k0), _mm512_loadu_si512(s + i * k));
+                _mm512_stream_si512((void *)(plain + (nb * block + a0 + i) * k + k0), _mm512_loadu_si512(s + i * k));
             return;
         }
     } else
 #endif
     {
         for (int64_t i = 0; i < TILE; ++i)
-            for (int64_t j = 0; j < width; ++j) d[j * BLOCK + i] = s[i * k + j];
+            for (int64_t j = 0; j < width; ++j) d[j * block + i] = s[i * k + j];
     }
     if (plain)
         for (int64_t i = 0; i < TILE; ++i)
-            memcpy(plain + (nb * BLOCK + a0 + i) * k + k0, s + i * k, (size_t)width * sizeof(uint32_t));
+            memcpy(plain + (nb * block + a0 + i) * k + k0, s + i * k, (size_t)width * sizeof(uint32_t));
 }
 
-int tandem_pack_b64(const uint32_t *restrict src, uint32_t *restrict plain, uint32_t *restrict dst, int64_t n,
-                    int64_t k) {
-    if (n % BLOCK != 0 || n <= 0 || k <= 0) return -1;
-    const int64_t blocks = n / BLOCK, tiles = (k + TILE - 1) / TILE;
+static int pack_blocked(const uint32_t *restrict src, uint32_t *restrict plain, uint32_t *restrict dst, int64_t n,
+                        int64_t k, int64_t block) {
+    if (n % block != 0 || n <= 0 || k <= 0) return -1;
+    const int64_t blocks = n / block, tiles = (k + TILE - 1) / TILE;
     /* non-temporal stores where every store is a whole aligned 64-byte line: the weights are far larger
      * than the caches and not read back soon (measured: the fused copy + pack 0.5 -> 0.9 of memcpy's rate) */
     const int stream_dst = (uintptr_t)dst % 64 == 0 && k % TILE == 0;
     const int stream_plain = plain && (uintptr_t)plain % 64 == 0 && k % TILE == 0;
-    /* a work item is one block's 64 rows x up to GROUP tiles: 16 rows at a time, each read GROUP * 64 bytes
+    /* a work item is one block's rows x up to GROUP tiles: 16 rows at a time, each read GROUP * 64 bytes
      * straight on (one tile per step read 64 bytes from each of 64 rows, and reached ~0.55 of memcpy's rate;
      * 2 KB runs of each row reach ~1.0 of it, 2 threads, SmolLM2-135M's linear weights) */
     const int64_t groups = (tiles + GROUP - 1) / GROUP;
@@ -103,10 +103,10 @@ int tandem_pack_b64(const uint32_t *restrict src, uint32_t *restrict plain, uint
         for (int64_t t = 0; t < blocks * groups; ++t) {
             const int64_t nb = t / groups, first = (t % groups) * GROUP;
             const int64_t last = first + GROUP < tiles ? first + GROUP : tiles;
-            for (int64_t a0 = 0; a0 < BLOCK; a0 += TILE)
+            for (int64_t a0 = 0; a0 < block; a0 += TILE)
                 for (int64_t kt = first; kt < last; ++kt) {
                     const int64_t k0 = kt * TILE, width = k - k0 < TILE ? k - k0 : TILE;
-                    tile(src, plain, dst, k, nb, a0, k0, width, stream_dst, stream_plain);
+                    tile(src, plain, dst, k, block, nb, a0, k0, width, stream_dst, stream_plain);
                 }
         }
 #ifdef __AVX512F__
@@ -114,4 +114,16 @@ int tandem_pack_b64(const uint32_t *restrict src, uint32_t *restrict plain, uint
 #endif
     }
     return 0;
+}
+
+int tandem_pack_b64(const uint32_t *restrict src, uint32_t *restrict plain, uint32_t *restrict dst, int64_t n,
+                    int64_t k) {
+    return pack_blocked(src, plain, dst, n, k, BLOCK);
+}
+
+/* The same for oneDNN's blocks of 16 output rows, [N/16][K][16] (float32 only; tandem/ops/linear.py checks that
+ * oneDNN lays out the shape so, as on an AVX2-only CPU for a 192-output weight). -1 when N is not a multiple of 16. */
+int tandem_pack_b16(const uint32_t *restrict src, uint32_t *restrict plain, uint32_t *restrict dst, int64_t n,
+                    int64_t k) {
+    return pack_blocked(src, plain, dst, n, k, TILE);
 }
