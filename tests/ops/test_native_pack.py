@@ -226,3 +226,28 @@ def test_blocks_of_16_are_written_as_onednn_lays_them_out(n, k):
     assert torch.equal(linear._raw(before), linear._raw(pack_weight(new)))
     x = torch.randn(3, k, generator=gen)
     assert torch.equal(linear._onednn(x, before, None), linear._onednn(x, pack_weight(new), None))
+
+
+@needs_native
+@pytest.mark.parametrize("block", [64, 16])
+def test_the_avx2_build_writes_the_same_layout(block):
+    """csrc/pack.c's AVX2 tile (four 8 x 8 transposes, each 64-byte line stored as two back-to-back halves, streamed
+    where aligned) writes the layout the AVX-512 tile and the scalar loop write: built for ``x86-64-v3`` (on an
+    AVX-512 CPU, another build than the default; on an AVX2 CPU, the same code) and compared with torch's
+    permutation, aligned (streamed) and not, with the plain copy in the same pass."""
+    flags = set(native._cpu_flags().split())
+    if not {"avx2", "fma", "f16c", "bmi2"} <= flags:
+        pytest.skip("this CPU cannot run an x86-64-v3 (AVX2 + FMA) build")
+    try:
+        v3 = native.load_variant("pack", "x86-64-v3")
+    except native.NativeKernelError as e:
+        pytest.skip(f"no x86-64-v3 build here: {e}")
+    gen = torch.Generator().manual_seed(block)
+    for n, k in [(192, 576), (1536, 576), (64, 40), (128, 3008)]:
+        w = torch.randn(n, k, generator=gen)
+        want = w.view(n // block, block, k).transpose(1, 2).reshape(-1)
+        for offset in (0, 1):  # a 64-byte aligned destination (streamed stores), then one that is not
+            buf, plain = torch.empty(n * k + 16), torch.empty(n, k)
+            dst = buf[offset:offset + n * k]
+            native.pack_b64(v3, w, dst.data_ptr(), n * k * 4, plain, block=block)
+            assert torch.equal(dst, want) and torch.equal(plain, w)
