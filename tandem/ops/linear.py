@@ -198,10 +198,10 @@ def _packed_product(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Te
         product = _skinny_for((n, k), dtype)
         if product is not None and (x.numel() <= SKINNY_MAX_ROWS_256 * k
                                     or (_SKINNY_WIDE and (n, k, dtype) not in _BLOCKS_OF_16)):
-            if x.dim() == 2:  # a decode step's (a view costs ~3 us, and this runs ~200 times a step)
-                return product(x, _data_ptr(packed_weight), n, None if bias is None else bias.contiguous())
-            y = product(x.view(-1, k), _data_ptr(packed_weight), n, None if bias is None else bias.contiguous())
-            return y.view(*x.shape[:-1], n)
+            flat = x.dim() == 2  # a decode step's: no views (~3 us each, ~200 products a step)
+            y = product(x if flat else x.view(-1, k), _data_ptr(packed_weight), n,
+                        None if bias is None else bias.contiguous())
+            return y if flat else y.view(*x.shape[:-1], n)
     return _onednn(x, packed_weight, bias)
 
 
